@@ -1,0 +1,13 @@
+"""redbatch producer: the wire protocol and the Python client for redbatch workers."""
+
+from producer.client import (
+    AsyncClient,
+    Client,
+    RedbatchError,
+    RequestFailed,
+    ResultTimeout,
+)
+from producer.protocol import ErrorCode
+
+__all__ = ["AsyncClient", "Client", "ErrorCode", "RedbatchError", "RequestFailed",
+           "ResultTimeout"]

@@ -1,0 +1,190 @@
+"""Wire protocol v1: the stream entries producers write and the reply envelopes workers send back.
+
+Both sides import this module, so the format is defined exactly once. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+DEFAULT_NAMESPACE = "redbatch"
+DEFAULT_GROUP = "workers"
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+CONTENT_TYPES = (MSGPACK, JSON)
+MAX_ID_BYTES = 256
+
+
+class ErrorCode(StrEnum):
+    """Codes carried in failure envelopes; clients branch on these, never on messages."""
+
+    INVALID_REQUEST = "invalid_request"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    MODEL_ERROR = "model_error"
+    INTERNAL = "internal"
+    TOO_LARGE = "too_large"
+    DEAD_LETTER = "dead_letter"
+
+
+def stream_key(namespace: str, model: str) -> str:
+    return f"{namespace}:requests:{model}"
+
+
+def reply_key(namespace: str, request_id: str) -> str:
+    return f"{namespace}:reply:{request_id}"
+
+
+def dead_letter_key(namespace: str, model: str) -> str:
+    return f"{namespace}:dead:{model}"
+
+
+# --- payload and envelope codecs -------------------------------------------------------------
+
+
+def encode(obj: Any, content_type: str) -> bytes:
+    """Encode a payload or envelope; JSON for JSON requests, msgpack otherwise."""
+    if content_type == JSON:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def decode(data: bytes, content_type: str) -> Any:
+    """Decode a payload; raises ValueError with a readable reason on bad input."""
+    if content_type == JSON:
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"payload is not valid JSON: {exc}") from None
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ValueError(f"payload is not valid msgpack: {exc}") from None
+
+
+def decode_envelope(data: bytes) -> dict[str, Any]:
+    """Decode a reply without knowing its content type: a JSON envelope starts with '{'."""
+    if data[:1] == b"{":
+        envelope = json.loads(data)
+    else:
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if not isinstance(envelope, dict) or "ok" not in envelope:
+        raise ValueError("reply is not a redbatch envelope")
+    return envelope
+
+
+def success_envelope(request_id: str, result: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    return {"id": request_id, "ok": True, "result": result, "meta": meta}
+
+
+def error_envelope(request_id: str, code: ErrorCode | str, message: str) -> dict[str, Any]:
+    return {"id": request_id, "ok": False, "error": {"code": str(code), "message": message}}
+
+
+# --- stream entries ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A validated stream entry. The payload stays encoded until the worker decodes it."""
+
+    id: str
+    payload: bytes
+    content_type: str
+    reply_to: str
+    deadline_ms: int | None = None
+    priority: int = 0
+
+
+class InvalidEntry(Exception):
+    """A malformed entry. `request_id`/`reply_to` are set when it can still be answered."""
+
+    def __init__(self, message: str, request_id: str | None = None,
+                 reply_to: str | None = None, content_type: str = JSON) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.reply_to = reply_to
+        self.content_type = content_type
+
+    @property
+    def answerable(self) -> bool:
+        return self.request_id is not None and self.reply_to is not None
+
+
+def entry_fields(request_id: str, payload: bytes, *, content_type: str = MSGPACK,
+                 reply_to: str | None = None, deadline_ms: int | None = None,
+                 priority: int = 0) -> dict[str, str | bytes | int]:
+    """The fields of an XADD for one request (optional fields left out when at default)."""
+    fields: dict[str, str | bytes | int] = {"id": request_id, "payload": payload}
+    if content_type != MSGPACK:
+        fields["content_type"] = content_type
+    if reply_to is not None:
+        fields["reply_to"] = reply_to
+    if deadline_ms is not None:
+        fields["deadline_ms"] = deadline_ms
+    if priority:
+        fields["priority"] = priority
+    return fields
+
+
+def _text(value: bytes | None, name: str) -> str | None:
+    if value is None:
+        return None
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"field '{name}' is not UTF-8") from None
+
+
+def _integer(value: bytes | None, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"field '{name}' must be an integer, got {value[:40]!r}") from None
+
+
+def parse_entry(fields: dict[bytes, bytes], namespace: str, max_payload_bytes: int) -> Request:
+    """Validate the raw fields of a stream entry; raise InvalidEntry saying what is wrong.
+
+    The id and reply key are recovered first, so that every later problem can still be
+    answered to the client instead of silently dropped.
+    """
+    try:
+        request_id = _text(fields.get(b"id"), "id")
+    except ValueError as exc:
+        raise InvalidEntry(str(exc)) from None
+    if not request_id:
+        raise InvalidEntry("entry has no 'id' field")
+    if len(request_id.encode()) > MAX_ID_BYTES:
+        raise InvalidEntry(f"'id' is longer than {MAX_ID_BYTES} bytes")
+    raw_content_type = fields.get(b"content_type")
+    content_type = (MSGPACK if raw_content_type is None
+                    else raw_content_type.decode(errors="replace"))
+    reply_content_type = content_type if content_type in CONTENT_TYPES else JSON
+    try:
+        reply_to = _text(fields.get(b"reply_to"), "reply_to") or reply_key(namespace, request_id)
+    except ValueError as exc:
+        raise InvalidEntry(str(exc)) from None
+
+    def invalid(message: str) -> InvalidEntry:
+        return InvalidEntry(message, request_id, reply_to, reply_content_type)
+
+    if content_type not in CONTENT_TYPES:
+        raise invalid(f"unknown content_type {content_type!r}; use one of {list(CONTENT_TYPES)}")
+    payload = fields.get(b"payload")
+    if payload is None:
+        raise invalid("entry has no 'payload' field")
+    if len(payload) > max_payload_bytes:
+        raise invalid(f"payload is {len(payload)} bytes, above the limit of {max_payload_bytes}")
+    try:
+        deadline_ms = _integer(fields.get(b"deadline_ms"), "deadline_ms")
+        priority = _integer(fields.get(b"priority"), "priority") or 0
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    return Request(request_id, payload, content_type, reply_to, deadline_ms, priority)

@@ -1,0 +1,1 @@
+"""redbatch worker: Redis Streams in, length-bucketed dynamic batches, one reply per request out."""

@@ -1,0 +1,96 @@
+"""Process-level wiring: connect to (or embed) Redis, load the model, serve until a signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import redis
+import structlog
+
+from worker import metrics
+from worker.execution import Executor, resolve_device
+from worker.models import ModelLoadError, create_model
+from worker.redis_server import RedisServer
+from worker.settings import Settings
+from worker.worker import Worker
+
+log = structlog.get_logger("redbatch")
+
+
+class StartupError(Exception):
+    """The worker cannot start; the message says why, for the user."""
+
+
+def connect(url: str, block_ms: int, attempts: int = 3) -> redis.Redis:
+    """A client whose socket timeout outlasts the blocking read; fails clearly if unreachable."""
+    client = redis.Redis.from_url(url, socket_timeout=block_ms / 1000 + 10,
+                                  socket_connect_timeout=5, health_check_interval=30)
+    for attempt in range(attempts):
+        try:
+            client.ping()
+            return client
+        except redis.RedisError as exc:
+            if attempt == attempts - 1:
+                raise StartupError(f"cannot reach Redis at {url}: {exc}") from None
+            time.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def redis_url(settings: Settings) -> Iterator[str]:
+    """The configured Redis, or an embedded redis-server for the duration of the block."""
+    if settings.redis_url:
+        yield settings.redis_url
+        return
+    with RedisServer(settings.data_dir / "redis") as server:
+        log.info("redis.embedded", url=server.url, hint="set REDBATCH_REDIS_URL to use your own")
+        yield server.url
+
+
+def build_worker(settings: Settings, client: redis.Redis) -> Worker:
+    try:
+        model = create_model(settings.model, settings.model_options)
+        device = resolve_device(settings.device)
+    except (ModelLoadError, ValueError) as exc:
+        raise StartupError(str(exc)) from None
+    started = time.perf_counter()
+    model.load(device)
+    log.info("model.loaded", model=settings.model, device=str(device),
+             seconds=round(time.perf_counter() - started, 2))
+    return Worker(settings, model, Executor(model, device), client)
+
+
+def install_signal_handlers(worker: Worker) -> None:
+    """First SIGTERM/SIGINT: stop reading, answer what is held, exit 0. Second: exit now;
+    unanswered entries stay pending in the group for another worker to claim."""
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if worker.stopping.is_set():
+            log.warning("worker.forced_exit", signal=signum)
+            sys.stderr.flush()
+            os._exit(130)
+        log.info("worker.stopping", signal=signal.Signals(signum).name)
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def serve(settings: Settings) -> int:
+    with redis_url(settings) as url:
+        client = connect(url, settings.block_ms)
+        worker = build_worker(settings, client)
+        try:
+            metrics.serve(settings.metrics_host, settings.metrics_port)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: {exc}") \
+                from None
+        install_signal_handlers(worker)
+        worker.run()
+    return 0

@@ -1,0 +1,166 @@
+"""Batching policy: length buckets and the decision of which batch goes next.
+
+Pure logic with no Redis and no model, so every rule here is unit-tested directly. The
+worker holds a Batcher under a lock; times are passed in (monotonic seconds, Unix ms).
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from producer.protocol import Request
+from worker.models.base import Prepared
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request read from the stream and prepared, waiting for its batch."""
+
+    entry_id: str
+    request: Request
+    item: Prepared
+    read_at: float  # monotonic seconds: max_wait_ms counts from here
+    seq: int = 0  # arrival order, set by the Batcher
+
+
+@dataclass(slots=True)
+class Batch:
+    bucket: int
+    members: list[Pending]
+    expired: list[Pending] = field(default_factory=list)
+
+    @property
+    def longest(self) -> int:
+        return max((p.item.length for p in self.members), default=0)
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.members) * self.longest
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(p.item.length for p in self.members)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_s: float
+
+
+def bucket_of(length: int, boundaries: Sequence[int]) -> int:
+    """Index of the first boundary >= length; lengths past the last share one overflow bucket."""
+    return bisect_left(boundaries, length)
+
+
+def take_members(candidates: Sequence[Pending], limits: BatchLimits) -> list[Pending]:
+    """Greedy fill in the given order until the request cap or the padded-token cap.
+
+    The first candidate always goes, so an input above the token cap still runs, alone.
+    """
+    chosen: list[Pending] = []
+    longest = 0
+    for pending in candidates:
+        longest_if_added = max(longest, pending.item.length)
+        if chosen and (len(chosen) >= limits.max_batch_size
+                       or (len(chosen) + 1) * longest_if_added > limits.max_batch_tokens):
+            break
+        chosen.append(pending)
+        longest = longest_if_added
+    return chosen
+
+
+class Bucket:
+    """Requests of similar length, kept in arrival order (so items[0] is the oldest)."""
+
+    def __init__(self) -> None:
+        self.items: list[Pending] = []
+        self.longest = 0
+
+    def add(self, pending: Pending) -> None:
+        self.items.append(pending)
+        self.longest = max(self.longest, pending.item.length)
+
+    def oldest_read_at(self) -> float:
+        return self.items[0].read_at
+
+    def is_full(self, limits: BatchLimits) -> bool:
+        n = len(self.items)
+        return n >= limits.max_batch_size or n * self.longest >= limits.max_batch_tokens
+
+    def take(self, limits: BatchLimits) -> list[Pending]:
+        """Remove and return the next batch: highest priority first, then oldest first."""
+        if any(p.request.priority for p in self.items):
+            order = heapq.nsmallest(limits.max_batch_size, self.items,
+                                    key=lambda p: (-p.request.priority, p.seq))
+            chosen = take_members(order, limits)
+            taken = {id(p) for p in chosen}
+            self.items = [p for p in self.items if id(p) not in taken]
+        else:
+            chosen = take_members(self.items, limits)
+            del self.items[: len(chosen)]
+        self.longest = max((p.item.length for p in self.items), default=0)
+        return chosen
+
+
+class Batcher:
+    """Length-bucketed dynamic batching.
+
+    A bucket is ready when its next batch is full (requests or padded tokens) or its oldest
+    request has waited `max_wait_s`. Among ready buckets the one holding the oldest request
+    goes first, so no bucket starves; within a bucket higher priority goes first.
+    """
+
+    def __init__(self, boundaries: Sequence[int], limits: BatchLimits) -> None:
+        self.boundaries = list(boundaries)
+        self.limits = limits
+        self.buckets = [Bucket() for _ in range(len(self.boundaries) + 1)]
+        self._seq = 0
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, pending: Pending) -> int:
+        """Queue a prepared request; returns its bucket index."""
+        self._seq += 1
+        pending.seq = self._seq
+        index = bucket_of(pending.item.length, self.boundaries)
+        self.buckets[index].add(pending)
+        self._size += 1
+        return index
+
+    def _is_ready(self, bucket: Bucket, now: float, flush: bool) -> bool:
+        return bool(bucket.items) and (
+            flush or bucket.is_full(self.limits)
+            or now - bucket.oldest_read_at() >= self.limits.max_wait_s)
+
+    def next_batch(self, now: float, now_ms: int, flush: bool = False) -> Batch | None:
+        """The batch to run now, or None if no bucket is ready.
+
+        `flush` dispatches without waiting (nothing more can arrive: the in-flight cap is
+        reached, or the worker is shutting down). Members past their deadline are moved to
+        `expired`, to be answered without compute; a batch may then have no members.
+        """
+        ready = [(b.oldest_read_at(), i) for i, b in enumerate(self.buckets)
+                 if self._is_ready(b, now, flush)]
+        if not ready:
+            return None
+        _, index = min(ready)
+        taken = self.buckets[index].take(self.limits)
+        self._size -= len(taken)
+        batch = Batch(index, [])
+        for pending in taken:
+            deadline = pending.request.deadline_ms
+            alive = deadline is None or deadline > now_ms
+            (batch.members if alive else batch.expired).append(pending)
+        return batch
+
+    def seconds_until_ready(self, now: float) -> float | None:
+        """How long until some bucket's oldest request reaches max_wait; None when empty."""
+        waits = [b.oldest_read_at() + self.limits.max_wait_s - now for b in self.buckets if b.items]
+        return max(0.0, min(waits)) if waits else None

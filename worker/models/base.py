@@ -1,0 +1,62 @@
+"""The model interface: what a plugin must provide for the worker to batch and run it.
+
+A model turns one decoded payload into a `Prepared` item (validating it and measuring its
+length), collates a list of items into one padded batch, runs the batch, and splits the
+output back into one JSON/msgpack-serialisable result per item. The worker owns everything
+else: reading, bucketing, devices, replies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class InvalidInput(ValueError):
+    """The payload is not a valid input for this model; answered as `invalid_request`."""
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One request after preprocessing: its length (tokens, bytes...) and the model's data."""
+
+    length: int
+    data: Any
+
+
+class Model(ABC):
+    """Subclass this and name it in settings as `model = "package.module:ClassName"`.
+
+    The constructor receives the `model_options` table as keyword arguments.
+    """
+
+    #: bucket boundaries used when the settings give none
+    default_bucket_boundaries: Sequence[int] = (16, 32, 64, 128, 256)
+
+    @abstractmethod
+    def load(self, device: torch.device) -> None:
+        """Load weights onto `device`. Called once, before any other method."""
+
+    @abstractmethod
+    def prepare(self, payload: Any, nbytes: int) -> Prepared:
+        """Validate and preprocess one decoded payload (`nbytes`: its encoded size).
+
+        Raise InvalidInput for a user mistake. Runs on the reader thread, overlapping the
+        compute of the current batch, so tokenisation belongs here.
+        """
+
+    @abstractmethod
+    def collate(self, items: Sequence[Prepared]) -> Any:
+        """Build one batch, padded to its longest member. Tensors stay on the host here."""
+
+    @abstractmethod
+    def forward(self, batch: Any) -> Any:
+        """Run the batch (already on the device); called under torch.inference_mode()."""
+
+    @abstractmethod
+    def postprocess(self, output: Any, items: Sequence[Prepared]) -> list[Any]:
+        """One serialisable result per item, in order."""

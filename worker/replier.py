@@ -1,0 +1,70 @@
+"""Replying: each answer and the XACK of its entry in one atomic Lua script.
+
+The script writes a reply only while this consumer still owns the entry (it is in this
+consumer's pending list). So no entry is acked without its answer, and a worker whose
+entries were claimed by another while it was frozen drops its late result instead of
+answering twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+REPLY_AND_ACK = """
+-- KEYS[1] stream, KEYS[2..n+1] reply keys
+-- ARGV[1] group, ARGV[2] consumer, ARGV[3] ttl ms, then n pairs: entry id, envelope
+-- Returns the entry ids that were not answered because this consumer no longer owns them.
+local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local dropped = {}
+for i = 2, #KEYS do
+  local entry_id = ARGV[2 * i]
+  local owned = redis.call('XPENDING', stream, group, entry_id, entry_id, 1, consumer)
+  if #owned == 1 then
+    redis.call('LPUSH', KEYS[i], ARGV[2 * i + 1])
+    redis.call('PEXPIRE', KEYS[i], ttl)
+    redis.call('XACK', stream, group, entry_id)
+  else
+    dropped[#dropped + 1] = entry_id
+  end
+end
+return dropped
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    entry_id: str
+    reply_key: str
+    envelope: bytes
+
+
+class Replier:
+    """Writes answers for one stream on behalf of one consumer."""
+
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
+                 ttl_ms: int) -> None:
+        self.client = client
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.ttl_ms = ttl_ms
+        self._script = client.register_script(REPLY_AND_ACK)
+
+    def send(self, replies: Sequence[Reply]) -> list[str]:
+        """Answer and ack atomically; returns the entry ids dropped as no longer ours."""
+        if not replies:
+            return []
+        keys = [self.stream, *(r.reply_key for r in replies)]
+        args: list[str | bytes | int] = [self.group, self.consumer, self.ttl_ms]
+        for r in replies:
+            args += (r.entry_id, r.envelope)
+        dropped = self._script(keys=keys, args=args)
+        return [d.decode() if isinstance(d, bytes) else d for d in dropped]
+
+    def ack(self, entry_ids: Sequence[str]) -> None:
+        """Ack entries that cannot be answered (no usable id, or deleted from the stream)."""
+        if entry_ids:
+            self.client.xack(self.stream, self.group, *entry_ids)

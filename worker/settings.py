@@ -1,0 +1,109 @@
+"""Worker settings: defaults < TOML file (--config) < REDBATCH_* environment < flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from producer.protocol import DEFAULT_GROUP, DEFAULT_NAMESPACE
+
+
+def default_consumer_name() -> str:
+    """Stable and unique per process: host plus pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    """Everything a worker can be told. Field names are the TOML keys and flag names."""
+
+    model_config = SettingsConfigDict(env_prefix="REDBATCH_", extra="forbid")
+
+    redis_url: str | None = Field(None, description="Redis to serve; none starts an embedded one")
+    namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
+    group: str = Field(DEFAULT_GROUP, min_length=1)
+    consumer: str = Field(default_factory=default_consumer_name, min_length=1)
+
+    model: str = Field("minilm", description="built-in name or 'package.module:ClassName'")
+    model_name: str = Field("", description="name in the stream key; default derived from model")
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+
+    max_batch_size: int = Field(32, gt=0)
+    max_batch_tokens: int = Field(8192, gt=0, description="cap on n x longest per batch")
+    max_wait_ms: float = Field(5.0, ge=0)
+    bucket_boundaries: list[int] | None = Field(None, description="None: the model's default")
+    max_inflight: int = Field(512, gt=0, description="entries read but not yet answered")
+    read_count: int = Field(256, gt=0, description="most entries per XREADGROUP")
+    block_ms: int = Field(1000, gt=0, description="XREADGROUP BLOCK; never 0")
+
+    result_ttl_ms: int = Field(3_600_000, gt=0)
+    max_payload_bytes: int = Field(1 << 20, gt=0)
+
+    metrics_port: int = Field(9100, ge=0, le=65535, description="0 disables /metrics")
+    metrics_host: str = "0.0.0.0"
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
+    log_format: str = Field("auto", pattern="^(auto|json|console)$")
+    data_dir: Path = Field(Path(".redbatch"), description="embedded Redis data")
+
+    @field_validator("bucket_boundaries")
+    @classmethod
+    def _boundaries_increase(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(b <= a for a, b in zip([0, *value], value, strict=False)):
+            raise ValueError("must be positive and strictly increasing, e.g. [16, 32, 64]")
+        return value
+
+    @model_validator(mode="after")
+    def _derive_model_name(self) -> Settings:
+        if not self.model_name:
+            self.model_name = self.model.rpartition(":")[2].lower()
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+
+class SettingsError(Exception):
+    """A setting could not be loaded; the message is meant for the user as it is."""
+
+
+def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
+    """Build settings from the layers; `overrides` are the command-line flags."""
+    if config is not None and not config.is_file():
+        raise SettingsError(f"config file not found: {config}")
+
+    class FromFile(Settings):
+        model_config = SettingsConfigDict(toml_file=config)
+
+    try:
+        return FromFile(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from None
+    except ValueError as exc:  # a malformed TOML file or JSON environment value
+        raise SettingsError(f"could not read settings: {exc}") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        name = ".".join(str(part) for part in error["loc"]) or "settings"
+        hint = f" (env REDBATCH_{name.upper()})" if error["loc"] else ""
+        lines.append(f"invalid setting '{name}'{hint}: {error['msg']}; got {error.get('input')!r}")
+    return "\n".join(lines)

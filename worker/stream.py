@@ -1,0 +1,71 @@
+"""Reading the request stream through the consumer group.
+
+Reads block with a timeout (never BLOCK 0: a half-open connection could hang forever), and
+the client's socket timeout is longer than the block. A restarted worker first drains its
+own pending entries (id 0), then reads new ones (id >).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+Fields = dict[bytes, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    id: str
+    fields: Fields | None  # None: the entry was deleted or trimmed while pending
+
+
+class StreamReader:
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str) -> None:
+        self.client = client
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.draining_own_pending = True
+
+    def ensure_group(self) -> None:
+        """Create the group (and the stream) if missing; existing groups are kept."""
+        try:
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int, block_ms: int) -> list[Entry]:
+        """Up to `count` entries: this consumer's pending ones first, then new ones."""
+        try:
+            return self._read(count, block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_group()  # Redis restarted without persistence, or was flushed
+            return []
+
+    def _read(self, count: int, block_ms: int) -> list[Entry]:
+        if self.draining_own_pending:
+            entries = self._xreadgroup("0", count, None)
+            if entries:
+                return entries
+            self.draining_own_pending = False
+        return self._xreadgroup(">", count, block_ms)
+
+    def _xreadgroup(self, start: str, count: int, block_ms: int | None) -> list[Entry]:
+        response: Any = self.client.xreadgroup(self.group, self.consumer, {self.stream: start},
+                                          count=count, block=block_ms)
+        if not response:
+            return []
+        if isinstance(response, dict):  # RESP3 shape
+            messages = next(iter(response.values()))[0]
+        else:
+            messages = response[0][1]
+        return [Entry(_text(entry_id), fields or None) for entry_id, fields in messages]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,314 @@
+"""The worker: three threads joined by a bucketed batcher and a reply queue.
+
+    reader thread   XREADGROUP -> validate -> decode -> model.prepare -> Batcher
+    compute thread  Batcher.next_batch -> Executor.run (the model)    -> reply queue
+    reply thread    encode envelopes -> Lua reply+ack                  -> frees in-flight slots
+
+Decoding and tokenising the next requests overlaps the compute of the current batch, and
+replies are written while the next batch runs. At most `max_inflight` entries are held
+between reading and answering, so other workers in the group get the rest.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+import structlog
+
+from producer import protocol
+from producer.protocol import ErrorCode, InvalidEntry, Request
+from worker import metrics
+from worker.batching import Batch, Batcher, BatchLimits, Pending
+from worker.execution import Executor
+from worker.models.base import Model
+from worker.replier import Replier, Reply
+from worker.settings import Settings
+from worker.stream import Entry, StreamReader
+
+log = structlog.get_logger("redbatch.worker")
+T = TypeVar("T")
+MAX_REPLIES_PER_CALL = 1024
+
+
+@dataclass(slots=True)
+class Answer:
+    """An envelope waiting to be encoded and written."""
+
+    entry_id: str
+    reply_to: str
+    content_type: str
+    envelope: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.envelope["ok"] else self.envelope["error"]["code"]
+
+
+def error_answer(entry_id: str, request: Request, code: ErrorCode, message: str) -> Answer:
+    return Answer(entry_id, request.reply_to, request.content_type,
+                  protocol.error_envelope(request.id, code, message))
+
+
+def entry_time_ms(entry_id: str) -> int:
+    """Redis stream ids start with the XADD time in Unix milliseconds."""
+    return int(entry_id.partition("-")[0])
+
+
+def backoff_delays(base: float = 0.05, cap: float = 2.0) -> Iterator[float]:
+    """Capped exponential backoff with full jitter."""
+    delay = base
+    while True:
+        yield random.uniform(0, delay)
+        delay = min(cap, delay * 2)
+
+
+class Worker:
+    def __init__(self, settings: Settings, model: Model, executor: Executor,
+                 client: redis.Redis) -> None:
+        self.settings = settings
+        self.model = model
+        self.executor = executor
+        self.name = settings.model_name
+        self.stream = protocol.stream_key(settings.namespace, self.name)
+        self.reader = StreamReader(client, self.stream, settings.group, settings.consumer)
+        self.replier = Replier(client, self.stream, settings.group, settings.consumer,
+                               settings.result_ttl_ms)
+        boundaries = settings.bucket_boundaries
+        if boundaries is None:
+            boundaries = list(model.default_bucket_boundaries)
+        self.batcher = Batcher(boundaries, BatchLimits(
+            settings.max_batch_size, settings.max_batch_tokens, settings.max_wait_ms / 1000))
+        self._lock = threading.Condition()  # guards batcher, _held and _reading
+        self._held: set[str] = set()  # entry ids read and not yet answered
+        self._reading = True
+        self._answers: queue.Queue[list[Answer] | None] = queue.Queue()
+        self.stopping = threading.Event()
+        self.ready = threading.Event()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until stop() is called, then answer everything held and return."""
+        self._retry(self.reader.ensure_group)
+        reader = threading.Thread(target=self._read_loop, name="redbatch-reader", daemon=True)
+        replier = threading.Thread(target=self._reply_loop, name="redbatch-replier", daemon=True)
+        reader.start()
+        replier.start()
+        self.ready.set()
+        log.info("worker.serving", stream=self.stream, group=self.settings.group,
+                 consumer=self.settings.consumer, buckets=self.batcher.boundaries)
+        try:
+            self._compute_loop()
+        finally:
+            self._answers.put(None)
+            replier.join()
+            reader.join()
+            log.info("worker.stopped", consumer=self.settings.consumer)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        with self._lock:
+            self._lock.notify_all()
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                room = self._wait_for_room()
+                if room:
+                    count = min(room, self.settings.read_count)
+                    self._admit(self._retry(self.reader.read, count, self.settings.block_ms))
+        finally:
+            with self._lock:
+                self._reading = False
+                self._lock.notify_all()
+
+    def _wait_for_room(self) -> int:
+        with self._lock:
+            while len(self._held) >= self.settings.max_inflight and not self.stopping.is_set():
+                self._lock.wait(0.5)
+            return self.settings.max_inflight - len(self._held)
+
+    def _admit(self, entries: Sequence[Entry]) -> None:
+        """Validate and prepare new entries, queue the good ones, answer the bad ones."""
+        now, now_ms = time.monotonic(), int(time.time() * 1000)
+        with self._lock:  # a redelivered entry we already hold is skipped, not run twice
+            entries = [e for e in entries if e.id not in self._held]
+        good: list[Pending] = []
+        bad: list[Answer] = []
+        unanswerable: list[str] = []
+        for entry in entries:
+            if entry.fields is None:
+                unanswerable.append(entry.id)
+                metrics.UNANSWERABLE.labels(self.name, "deleted").inc()
+                continue
+            try:
+                request = protocol.parse_entry(entry.fields, self.settings.namespace,
+                                               self.settings.max_payload_bytes)
+            except InvalidEntry as exc:
+                if exc.answerable:
+                    assert exc.request_id is not None and exc.reply_to is not None
+                    bad.append(Answer(entry.id, exc.reply_to, exc.content_type,
+                                      protocol.error_envelope(exc.request_id,
+                                                              ErrorCode.INVALID_REQUEST, str(exc))))
+                else:
+                    unanswerable.append(entry.id)
+                    metrics.UNANSWERABLE.labels(self.name, "no_id").inc()
+                    log.warning("entry.unanswerable", entry_id=entry.id, reason=str(exc))
+                continue
+            prepared = self._prepare(entry.id, request, now, now_ms)
+            if isinstance(prepared, Pending):
+                good.append(prepared)
+            else:
+                bad.append(prepared)
+        if unanswerable:
+            self._retry(self.replier.ack, unanswerable)
+        with self._lock:
+            self._held.update(p.entry_id for p in good)
+            self._held.update(a.entry_id for a in bad)
+            for pending in good:
+                self.batcher.add(pending)
+            self._lock.notify_all()
+        if bad:
+            self._answers.put(bad)
+
+    def _prepare(self, entry_id: str, request: Request, now: float,
+                 now_ms: int) -> Pending | Answer:
+        if request.deadline_ms is not None and request.deadline_ms <= now_ms:
+            return error_answer(entry_id, request, ErrorCode.DEADLINE_EXCEEDED,
+                                "deadline passed before the request was read")
+        try:
+            payload = protocol.decode(request.payload, request.content_type)
+            item = self.model.prepare(payload, len(request.payload))
+        except ValueError as exc:  # undecodable payload or InvalidInput
+            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc))
+        except Exception as exc:
+            log.exception("model.prepare_failed", request_id=request.id)
+            return error_answer(entry_id, request, ErrorCode.MODEL_ERROR,
+                                f"preprocessing failed: {type(exc).__name__}: {exc}")
+        return Pending(entry_id, request, item, now)
+
+    # --- computing ----------------------------------------------------------------------------
+
+    def _compute_loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            self._answers.put(self._compute(batch))
+
+    def _next_batch(self) -> Batch | None:
+        """Block until a batch is due; None once reading has stopped and nothing is left."""
+        with self._lock:
+            while True:
+                # Nothing more can arrive: don't wait for a batch to fill.
+                flush = not self._reading or len(self._held) >= self.settings.max_inflight
+                batch = self.batcher.next_batch(time.monotonic(), int(time.time() * 1000), flush)
+                if batch is not None:
+                    return batch
+                if not self._reading:
+                    return None
+                self._lock.wait(self.batcher.seconds_until_ready(time.monotonic()) or 0.5)
+
+    def _compute(self, batch: Batch) -> list[Answer]:
+        answers = [error_answer(p.entry_id, p.request, ErrorCode.DEADLINE_EXCEEDED,
+                                "deadline passed while queued") for p in batch.expired]
+        if not batch.members:
+            return answers
+        started_ms = time.time() * 1000
+        clock = time.perf_counter()
+        try:
+            results = self.executor.run([p.item for p in batch.members])
+        except Exception as exc:
+            log.exception("batch.failed", bucket=batch.bucket, size=len(batch.members))
+            message = f"{type(exc).__name__}: {exc}"
+            return answers + [error_answer(p.entry_id, p.request, ErrorCode.MODEL_ERROR, message)
+                              for p in batch.members]
+        compute_s = time.perf_counter() - clock
+        self._observe(batch, compute_s, started_ms)
+        meta = {"model": self.name, "batch_size": len(batch.members),
+                "compute_ms": round(compute_s * 1000, 3), "worker": self.settings.consumer,
+                "bucket": batch.bucket, "padded_length": batch.longest}
+        for pending, result in zip(batch.members, results, strict=True):
+            request = pending.request
+            queue_ms = max(0.0, started_ms - entry_time_ms(pending.entry_id))
+            answers.append(Answer(pending.entry_id, request.reply_to, request.content_type,
+                                  protocol.success_envelope(request.id, result, {
+                                      **meta, "queue_ms": round(queue_ms, 3)})))
+        return answers
+
+    def _observe(self, batch: Batch, compute_s: float, started_ms: float) -> None:
+        bucket = str(batch.bucket)
+        real, padded = batch.real_tokens, batch.padded_tokens
+        metrics.BATCH_SIZE.labels(self.name, bucket).observe(len(batch.members))
+        metrics.PADDED_TOKENS.labels(self.name, bucket).observe(padded)
+        metrics.PADDING_EFFICIENCY.labels(self.name).observe(real / padded if padded else 1.0)
+        metrics.REAL_TOKENS_TOTAL.labels(self.name).inc(real)
+        metrics.PADDED_TOKENS_TOTAL.labels(self.name).inc(padded)
+        metrics.COMPUTE_TIME.labels(self.name).observe(compute_s)
+        queue_wait = metrics.QUEUE_WAIT.labels(self.name)
+        for pending in batch.members:
+            queue_wait.observe(max(0.0, started_ms - entry_time_ms(pending.entry_id)) / 1000)
+        log.debug("batch.done", bucket=batch.bucket, size=len(batch.members), longest=batch.longest,
+                  padding_efficiency=round(real / padded, 3) if padded else 1.0,
+                  compute_ms=round(compute_s * 1000, 2))
+
+    # --- replying -----------------------------------------------------------------------------
+
+    def _reply_loop(self) -> None:
+        while (answers := self._next_answers()) is not None:
+            replies = [self._encode(answer) for answer in answers]
+            dropped = self._retry(self.replier.send, replies)
+            if dropped:
+                metrics.DROPPED_REPLIES.labels(self.name).inc(len(dropped))
+                log.warning("replies.dropped_not_owner", count=len(dropped))
+            for answer in answers:
+                metrics.REQUESTS.labels(self.name, answer.status).inc()
+            with self._lock:
+                self._held.difference_update(a.entry_id for a in answers)
+                self._lock.notify_all()
+
+    def _next_answers(self) -> list[Answer] | None:
+        """The next answers to write, coalescing what is queued into one script call."""
+        answers = self._answers.get()
+        if answers is None:
+            return None
+        while len(answers) < MAX_REPLIES_PER_CALL:
+            try:
+                more = self._answers.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                self._answers.put(None)  # keep the end marker for the next call
+                break
+            answers = answers + more
+        return answers
+
+    def _encode(self, answer: Answer) -> Reply:
+        try:
+            data = protocol.encode(answer.envelope, answer.content_type)
+        except (TypeError, ValueError) as exc:  # the model returned something unserialisable
+            log.error("reply.unserialisable", request_id=answer.envelope["id"], error=str(exc))
+            answer.envelope = protocol.error_envelope(
+                answer.envelope["id"], ErrorCode.INTERNAL, f"result could not be encoded: {exc}")
+            data = protocol.encode(answer.envelope, answer.content_type)
+        return Reply(answer.entry_id, answer.reply_to, data)
+
+    # --- Redis faults -------------------------------------------------------------------------
+
+    def _retry(self, operation: Callable[..., T], *args: Any) -> T:
+        """Run a Redis operation, retrying connection faults with backoff until it succeeds."""
+        delays = backoff_delays()
+        while True:
+            try:
+                return operation(*args)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                delay = next(delays)
+                log.warning("redis.unavailable", error=str(exc), retry_in_s=round(delay, 3))
+                self.reader.draining_own_pending = True  # a lost reply may have delivered entries
+                time.sleep(delay)
