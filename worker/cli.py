@@ -18,7 +18,7 @@ COMMANDS = ("run", "demo")
 
 def _is_structured(annotation: Any) -> bool:
     """list/dict settings take JSON on the command line, as in the environment."""
-    types = typing.get_args(annotation) or (annotation,)
+    types = (annotation, *typing.get_args(annotation))  # dict[...] itself, or inside X | None
     return any(typing.get_origin(t) in (list, dict) for t in types)
 
 
