@@ -213,7 +213,8 @@ class Worker:
                     return batch
                 if not self._reading:
                     return None
-                self._lock.wait(self.batcher.seconds_until_ready(time.monotonic()) or 0.5)
+                until_ready = self.batcher.seconds_until_ready(time.monotonic())
+                self._lock.wait(0.5 if until_ready is None else until_ready)
 
     def _compute(self, batch: Batch) -> list[Answer]:
         answers = [error_answer(p.entry_id, p.request, ErrorCode.DEADLINE_EXCEEDED,
