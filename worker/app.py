@@ -60,7 +60,11 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     except (ModelLoadError, ValueError) as exc:
         raise StartupError(str(exc)) from None
     started = time.perf_counter()
-    model.load(device)
+    try:
+        model.load(device)
+    except Exception as exc:  # plugin code: any failure to load is a start-up error
+        raise StartupError(f"cannot load model {settings.model!r}: "
+                           f"{type(exc).__name__}: {exc}") from None
     log.info("model.loaded", model=settings.model, device=str(device),
              seconds=round(time.perf_counter() - started, 2))
     return Worker(settings, model, Executor(model, device), client)
