@@ -9,7 +9,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from worker.app import StartupError, serve
 from worker.log import configure_logging
 from worker.settings import Settings, SettingsError, load_settings
 
@@ -64,12 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(args.config, **setting_overrides(args))
-        configure_logging(settings.log_level, settings.log_format)
+    except SettingsError as exc:
+        return refuse(exc)
+    configure_logging(settings.log_level, settings.log_format)
+    from worker.app import StartupError, serve  # imports torch (seconds): valid settings only
+
+    try:
         if args.command == "demo":
             from worker.demo import run_demo
 
             return run_demo(settings, args.sentences, args.count)
         return serve(settings)
     except (SettingsError, StartupError) as exc:
-        print(f"redbatch: {exc}", file=sys.stderr)
-        return 2
+        return refuse(exc)
+
+
+def refuse(exc: Exception) -> int:
+    """One line for the user, no traceback, exit status 2."""
+    print(f"redbatch: {exc}", file=sys.stderr)
+    return 2
