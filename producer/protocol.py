@@ -60,10 +60,13 @@ def decode(data: bytes, content_type: str) -> Any:
             return json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"payload is not valid JSON: {exc}") from None
+        except RecursionError:  # e.g. '[[[[...', well within the size limit
+            raise ValueError("payload is not valid JSON: nested too deeply") from None
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ValueError(f"payload is not valid msgpack: {exc}") from None
+        reason = str(exc) or type(exc).__name__  # StackError has no message
+        raise ValueError(f"payload is not valid msgpack: {reason}") from None
 
 
 def decode_envelope(data: bytes) -> dict[str, Any]:

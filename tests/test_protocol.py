@@ -46,6 +46,14 @@ def test_undecodable_payload_says_why(data: bytes, content_type: str) -> None:
         protocol.decode(data, content_type)
 
 
+@pytest.mark.parametrize("data, content_type, reason", [
+    (b"[" * 100_000, JSON, "nested too deeply"), (b"\x91" * 100_000, MSGPACK, "StackError")])
+def test_deeply_nested_payload_is_invalid_not_a_crash(data: bytes, content_type: str,
+                                                      reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        protocol.decode(data, content_type)
+
+
 @pytest.mark.parametrize("content_type", [MSGPACK, JSON])
 def test_envelopes_decode_without_knowing_the_content_type(content_type: str) -> None:
     ok = protocol.success_envelope("a", {"x": 1}, {"model": "m"})
