@@ -32,9 +32,9 @@ def client(redis_url: str) -> Iterator[Client]:
     client.close()
 
 
-def enqueue(client: Client, payloads: Sequence[Any], **options: Any) -> list[str]:
+def enqueue(client: Client, payloads: Sequence[Any]) -> list[str]:
     """Submit with readable ids r0, r1... onto the shared reply key."""
-    return [client.submit(payload, request_id=f"r{n}", reply_to=SHARED, **options)
+    return [client.submit(payload, request_id=f"r{n}", reply_to=SHARED)
             for n, payload in enumerate(payloads)]
 
 
