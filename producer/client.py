@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -18,6 +18,10 @@ from producer import protocol
 
 DEFAULT_URL = "redis://localhost:6379/0"
 PIPELINE_CHUNK = 1000
+# Each BLPOP blocks at most this long, well inside the client's socket timeout (redis-py 8
+# defaults to 5 s and raises TimeoutError on a longer block); longer waits take several.
+MAX_BLOCK_S = 1.0
+MIN_BLOCK_S = 0.01  # BLPOP with a timeout that rounds to 0 would block forever
 
 
 class RedbatchError(Exception):
@@ -40,6 +44,16 @@ class ResultTimeout(RedbatchError):
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def block_slices(timeout: float) -> Iterator[float]:
+    """BLPOP timeouts that together wait `timeout` seconds; always at least one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        yield min(max(remaining, MIN_BLOCK_S), MAX_BLOCK_S)
+        if remaining <= MAX_BLOCK_S:
+            return
 
 
 def unwrap(envelope: dict[str, Any]) -> Any:
@@ -114,10 +128,12 @@ class Client(_Base):
     def wait(self, request_id: str, timeout: float = 30.0,
              reply_to: str | None = None) -> dict[str, Any]:
         """The reply envelope of one request (ok or not); ResultTimeout if none came."""
-        popped: Any = self.redis.blpop([reply_to or self.reply_key(request_id)], timeout=timeout)
-        if popped is None:
-            raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
-        return protocol.decode_envelope(popped[1])
+        key = reply_to or self.reply_key(request_id)
+        for block_s in block_slices(timeout):
+            popped: Any = self.redis.blpop([key], timeout=block_s)
+            if popped is not None:
+                return protocol.decode_envelope(popped[1])
+        raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 
     def result(self, request_id: str, timeout: float = 30.0) -> Any:
         """The result of one request; RequestFailed or ResultTimeout otherwise."""
@@ -131,14 +147,12 @@ class Client(_Base):
                 on_reply: Any = None) -> list[dict[str, Any]]:
         """Pop up to `count` envelopes from a shared reply key, until `timeout` elapses."""
         envelopes: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout
-        while len(envelopes) < count:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        for block_s in block_slices(timeout):
+            if len(envelopes) >= count:
                 break
-            popped = self.redis.blpop([reply_to], timeout=max(remaining, 0.01))
+            popped: Any = self.redis.blpop([reply_to], timeout=block_s)
             if popped is None:
-                break
+                continue
             more = count - len(envelopes) - 1
             batch = [popped[1], *((self.redis.lpop(reply_to, more) or []) if more else [])]
             for data in batch:
@@ -183,11 +197,12 @@ class AsyncClient(_Base):
 
     async def wait(self, request_id: str, timeout: float = 30.0,
                    reply_to: str | None = None) -> dict[str, Any]:
-        popped: Any = await self.redis.blpop([reply_to or self.reply_key(request_id)],
-                                        timeout=timeout)
-        if popped is None:
-            raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
-        return protocol.decode_envelope(popped[1])
+        key = reply_to or self.reply_key(request_id)
+        for block_s in block_slices(timeout):
+            popped: Any = await self.redis.blpop([key], timeout=block_s)
+            if popped is not None:
+                return protocol.decode_envelope(popped[1])
+        raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 
     async def result(self, request_id: str, timeout: float = 30.0) -> Any:
         return unwrap(await self.wait(request_id, timeout))

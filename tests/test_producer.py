@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from producer import AsyncClient, Client, RequestFailed, ResultTimeout
+from producer import AsyncClient, Client, RequestFailed, ResultTimeout, protocol
 from producer import client as client_module
 from producer.protocol import JSON, MSGPACK
 
@@ -71,6 +73,48 @@ def test_wait_without_a_worker_times_out(client: Client) -> None:
     request_id = client.submit("nobody listens")
     with pytest.raises(ResultTimeout, match=request_id):
         client.wait(request_id, timeout=0.2)
+
+
+def test_block_slices_add_up_to_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_module, "MAX_BLOCK_S", 0.1)
+    started, slices = time.monotonic(), []
+    for block_s in client_module.block_slices(0.25):
+        slices.append(block_s)
+        time.sleep(block_s)  # as BLPOP would
+    assert time.monotonic() - started >= 0.25
+    assert slices[0] == 0.1 and all(0.01 <= block_s <= 0.1 for block_s in slices)
+    assert list(client_module.block_slices(0)) == [client_module.MIN_BLOCK_S]
+
+
+def reply_later(r: redis.Redis, key: str, seconds: float) -> threading.Timer:
+    envelope = protocol.encode(protocol.success_envelope("late", "finally", {}), MSGPACK)
+    timer = threading.Timer(seconds, r.lpush, args=(key, envelope))
+    timer.start()
+    return timer
+
+
+def test_waits_longer_than_the_socket_timeout(r: redis.Redis, redis_url: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py 8 gives sockets a 5 s timeout: a longer BLPOP would fail, not wait."""
+    monkeypatch.setattr(client_module, "MAX_BLOCK_S", 0.1)
+    client = Client(redis_client=redis.Redis.from_url(redis_url, socket_timeout=0.3),
+                    model="echo")
+    reply_later(r, client.reply_key("late"), 0.6).join()
+    assert client.result("late", timeout=5) == "finally"
+    reply_later(r, "shared", 0.6)
+    assert [e["result"] for e in client.collect("shared", 1, timeout=5)] == ["finally"]
+
+    async def wait_async() -> Any:
+        async_client = AsyncClient(model="echo", redis_client=aioredis.Redis.from_url(
+            redis_url, socket_timeout=0.3))
+        try:
+            return await async_client.result("late", timeout=5)
+        finally:
+            await async_client.close()
+
+    reply_later(r, client.reply_key("late"), 0.6)
+    assert asyncio.run(asyncio.wait_for(wait_async(), timeout=10)) == "finally"
+    client.close()
 
 
 def test_unknown_content_type_is_refused_by_the_client() -> None:
