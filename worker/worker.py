@@ -293,7 +293,7 @@ class Worker:
     def _encode(self, answer: Answer) -> Reply:
         try:
             data = protocol.encode(answer.envelope, answer.content_type)
-        except (TypeError, ValueError) as exc:  # the model returned something unserialisable
+        except Exception as exc:  # an unserialisable result: the reply thread must live on
             log.error("reply.unserialisable", request_id=answer.envelope["id"], error=str(exc))
             answer.envelope = protocol.error_envelope(
                 answer.envelope["id"], ErrorCode.INTERNAL, f"result could not be encoded: {exc}")
