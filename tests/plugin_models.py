@@ -9,14 +9,26 @@ import torch
 from worker.models.echo import EchoModel
 
 
+def nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# Results that neither JSON nor msgpack can encode, each failing in its own way.
+UNENCODABLE = {"set": {1, 2}, "big int": 2**70, "deep": nested(5000)}
+
+
 class FaultyModel(EchoModel):
-    """Echo that fails a whole batch when a payload mentions "boom", and returns an
-    unencodable result for the payload "set"."""
+    """Echo that fails a whole batch when a payload mentions "boom", and returns the
+    unencodable results above for their names."""
 
     def forward(self, batch: list[Any]) -> list[Any]:
         if any("boom" in repr(item) for item in batch):
             raise RuntimeError("the model exploded")
-        return [{1, 2} if item == "set" else item for item in batch]
+        return [UNENCODABLE.get(item, item) if isinstance(item, str) else item
+                for item in batch]
 
 
 class UnloadableModel(EchoModel):

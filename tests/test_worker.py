@@ -16,7 +16,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from producer import Client, protocol
-from producer.protocol import JSON
+from producer.protocol import JSON, MSGPACK
 from worker.batching import bucket_of
 from worker.replier import Replier, Reply
 
@@ -211,16 +211,23 @@ def test_malformed_entries_are_answered_or_counted_and_serving_goes_on(
 
 def test_model_failures_are_answered_and_serving_goes_on(
         redis_url: str, worker_factory: Callable[..., Any]) -> None:
-    client = Client(redis_url, "faulty")
+    clients = {content_type: Client(redis_url, "faulty", content_type=content_type)
+               for content_type in protocol.CONTENT_TYPES}
     with worker_factory(model="tests.plugin_models:FaultyModel", model_name="faulty",
                         max_batch_size=1):
-        failed = client.wait(client.submit("boom"), timeout=10)
-        unencodable = client.wait(client.submit("set"), timeout=10)
-        assert client.infer("fine", timeout=10) == "fine"
+        failed = clients[JSON].wait(clients[JSON].submit("boom"), timeout=10)
+        unencodable = [clients[content_type].wait(clients[content_type].submit(name), timeout=10)
+                       for content_type, name in [(MSGPACK, "set"), (JSON, "set"),
+                                                  (MSGPACK, "big int"), (MSGPACK, "deep"),
+                                                  (JSON, "deep")]]
+        assert [client.infer("fine", timeout=10) for client in clients.values()] == ["fine"] * 2
     assert failed["error"]["code"] == "model_error"
     assert "the model exploded" in failed["error"]["message"]
-    assert unencodable["error"]["code"] == "internal"
-    client.close()
+    for envelope in unencodable:
+        assert envelope["error"]["code"] == "internal"
+        assert envelope["error"]["message"].startswith("result could not be encoded")
+    for client in clients.values():
+        client.close()
 
 
 def test_at_most_max_inflight_entries_are_held(r: redis.Redis, client: Client,
