@@ -99,10 +99,6 @@ def test_waits_longer_than_the_socket_timeout(r: redis.Redis, redis_url: str,
     monkeypatch.setattr(client_module, "MAX_BLOCK_S", 0.1)
     client = Client(redis_client=redis.Redis.from_url(redis_url, socket_timeout=0.3),
                     model="echo")
-    reply_later(r, client.reply_key("late"), 0.6).join()
-    assert client.result("late", timeout=5) == "finally"
-    reply_later(r, "shared", 0.6)
-    assert [e["result"] for e in client.collect("shared", 1, timeout=5)] == ["finally"]
 
     async def wait_async() -> Any:
         async_client = AsyncClient(model="echo", redis_client=aioredis.Redis.from_url(
@@ -112,8 +108,15 @@ def test_waits_longer_than_the_socket_timeout(r: redis.Redis, redis_url: str,
         finally:
             await async_client.close()
 
-    reply_later(r, client.reply_key("late"), 0.6)
+    timer = reply_later(r, client.reply_key("late"), 0.6)
+    assert client.result("late", timeout=5) == "finally"
+    timer.join()
+    timer = reply_later(r, "shared", 0.6)
+    assert [e["result"] for e in client.collect("shared", 1, timeout=5)] == ["finally"]
+    timer.join()
+    timer = reply_later(r, client.reply_key("late"), 0.6)
     assert asyncio.run(asyncio.wait_for(wait_async(), timeout=10)) == "finally"
+    timer.join()
     client.close()
 
 
