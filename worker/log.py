@@ -10,13 +10,15 @@ import structlog
 
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-    renderer = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+    # The console renderer prints tracebacks itself; JSON needs them turned into a field.
+    renderers = ([structlog.dev.ConsoleRenderer()] if console else
+                 [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()])
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
+            *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
