@@ -10,8 +10,11 @@ import structlog
 
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-    # The console renderer prints tracebacks itself; JSON needs them turned into a field.
-    renderers = ([structlog.dev.ConsoleRenderer()] if console else
+    # The console renderer prints tracebacks itself (plain: rich's would show local variables,
+    # request payloads among them); JSON needs them turned into a field.
+    console_renderer = structlog.dev.ConsoleRenderer(
+        exception_formatter=structlog.dev.plain_traceback)
+    renderers = ([console_renderer] if console else
                  [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()])
     structlog.configure(
         processors=[
