@@ -3,11 +3,12 @@
 from producer.client import (
     AsyncClient,
     Client,
+    Overloaded,
     RedbatchError,
     RequestFailed,
     ResultTimeout,
 )
 from producer.protocol import ErrorCode
 
-__all__ = ["AsyncClient", "Client", "ErrorCode", "RedbatchError", "RequestFailed",
+__all__ = ["AsyncClient", "Client", "ErrorCode", "Overloaded", "RedbatchError", "RequestFailed",
            "ResultTimeout"]

@@ -16,7 +16,7 @@ import redis
 from tqdm import tqdm
 
 from producer import protocol
-from producer.client import DEFAULT_URL, Client
+from producer.client import DEFAULT_URL, Client, Overloaded
 
 
 class InputError(Exception):
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="send JSON instead of msgpack")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for all replies")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--max-backlog", type=int, default=None,
+                        help="refuse to enqueue when the group's backlog would pass this")
     return parser
 
 
@@ -105,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     content_type = protocol.JSON if args.json else protocol.MSGPACK
     client = Client(args.redis_url, args.model, namespace=args.namespace,
-                    content_type=content_type)
+                    content_type=content_type, max_backlog=args.max_backlog)
     try:
         summary = run_requests(client, payloads, args.timeout,
                                progress=not args.no_progress and sys.stderr.isatty())
+    except Overloaded as exc:
+        print(f"producer: overloaded: {exc}", file=sys.stderr)
+        return 3
     except redis.RedisError as exc:
         print(f"producer: Redis error at {args.redis_url}: {exc}", file=sys.stderr)
         return 2

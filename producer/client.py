@@ -15,6 +15,7 @@ import redis
 import redis.asyncio as aioredis
 
 from producer import protocol
+from producer.backlog import ADD_IF_UNDER, add_arguments
 
 DEFAULT_URL = "redis://localhost:6379/0"
 PIPELINE_CHUNK = 1000
@@ -42,6 +43,18 @@ class ResultTimeout(RedbatchError):
     """No reply arrived in time; the request may still be answered later."""
 
 
+class Overloaded(RedbatchError):
+    """Refused: the group's backlog would pass `max_backlog`. Nothing of the refused call was
+    enqueued, except the ids in `submitted` (earlier chunks of a submit_many)."""
+
+    def __init__(self, backlog: int, max_backlog: int, submitted: Sequence[str] = ()) -> None:
+        super().__init__(f"backlog of {backlog} requests is at the limit of {max_backlog}; "
+                         "retry later")
+        self.backlog = backlog
+        self.max_backlog = max_backlog
+        self.submitted = list(submitted)
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -66,13 +79,38 @@ def unwrap(envelope: dict[str, Any]) -> Any:
 
 
 class _Base:
-    def __init__(self, model: str, namespace: str, content_type: str) -> None:
+    def __init__(self, model: str, namespace: str, content_type: str,
+                 max_backlog: int | None, group: str) -> None:
         if content_type not in protocol.CONTENT_TYPES:
             raise ValueError(f"content_type must be one of {protocol.CONTENT_TYPES}")
+        if max_backlog is not None and max_backlog < 1:
+            raise ValueError("max_backlog must be at least 1")
         self.model = model
         self.namespace = namespace
         self.content_type = content_type
         self.stream = protocol.stream_key(namespace, model)
+        self.max_backlog = max_backlog
+        self.group = group
+
+    def _add_arguments(self, entries: list[Any]) -> list[Any]:
+        assert self.max_backlog is not None
+        return add_arguments(self.group, self.max_backlog, entries)
+
+    def _limited_chunks(self, payloads: Sequence[Any], reply_to: str | None,
+                        deadline_ms: int | None, priority: int) -> Iterator[tuple[list[str], Any]]:
+        """(ids, ADD_IF_UNDER arguments) per chunk: each chunk is added whole or refused."""
+        for start in range(0, len(payloads), PIPELINE_CHUNK):
+            chunk = payloads[start:start + PIPELINE_CHUNK]
+            ids = [new_request_id() for _ in chunk]
+            yield ids, self._add_arguments([
+                self._fields(payload, request_id, reply_to, deadline_ms, priority)
+                for payload, request_id in zip(chunk, ids, strict=True)])
+
+    def _accepted(self, result: list[Any], submitted: Sequence[str] = ()) -> None:
+        """Raise Overloaded if ADD_IF_UNDER refused the entries."""
+        if not result[0]:
+            assert self.max_backlog is not None
+            raise Overloaded(int(result[1]), self.max_backlog, submitted)
 
     def _fields(self, payload: Any, request_id: str, reply_to: str | None,
                 deadline_ms: int | None, priority: int) -> Any:
@@ -99,21 +137,31 @@ class Client(_Base):
     def __init__(self, url: str = DEFAULT_URL, model: str = "minilm", *,
                  namespace: str = protocol.DEFAULT_NAMESPACE,
                  content_type: str = protocol.MSGPACK,
-                 redis_client: redis.Redis | None = None) -> None:
-        super().__init__(model, namespace, content_type)
+                 redis_client: redis.Redis | None = None,
+                 max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP) -> None:
+        """`max_backlog`: refuse (Overloaded) when the group's backlog would pass it."""
+        super().__init__(model, namespace, content_type, max_backlog, group)
         self.redis = redis_client or redis.Redis.from_url(url)
+        self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
 
     def submit(self, payload: Any, *, request_id: str | None = None, reply_to: str | None = None,
                deadline_ms: int | None = None, priority: int = 0) -> str:
         """Enqueue one request; returns its id."""
         request_id = request_id or new_request_id()
-        self.redis.xadd(self.stream, self._fields(payload, request_id, reply_to, deadline_ms,
-                                                  priority))
+        fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
+        if self.max_backlog is None:
+            self.redis.xadd(self.stream, fields)
+        else:
+            self._accepted(self._add_if_under(keys=[self.stream],
+                                              args=self._add_arguments([fields])))
         return request_id
 
     def submit_many(self, payloads: Iterable[Any], *, reply_to: str | None = None,
                     deadline_ms: int | None = None, priority: int = 0) -> list[str]:
         """Enqueue many requests in pipelined round trips; returns their ids in order."""
+        if self.max_backlog is not None:
+            return self._submit_many_under_limit(list(payloads), reply_to, deadline_ms,
+                                                 priority)
         ids: list[str] = []
         pipe = self.redis.pipeline(transaction=False)
         for payload in payloads:
@@ -123,6 +171,14 @@ class Client(_Base):
             if len(pipe) >= PIPELINE_CHUNK:
                 pipe.execute()
         pipe.execute()
+        return ids
+
+    def _submit_many_under_limit(self, payloads: list[Any], reply_to: str | None,
+                                 deadline_ms: int | None, priority: int) -> list[str]:
+        ids: list[str] = []
+        for chunk_ids, args in self._limited_chunks(payloads, reply_to, deadline_ms, priority):
+            self._accepted(self._add_if_under(keys=[self.stream], args=args), ids)
+            ids += chunk_ids
         return ids
 
     def wait(self, request_id: str, timeout: float = 30.0,
@@ -171,21 +227,33 @@ class AsyncClient(_Base):
     def __init__(self, url: str = DEFAULT_URL, model: str = "minilm", *,
                  namespace: str = protocol.DEFAULT_NAMESPACE,
                  content_type: str = protocol.MSGPACK,
-                 redis_client: aioredis.Redis | None = None) -> None:
-        super().__init__(model, namespace, content_type)
+                 redis_client: aioredis.Redis | None = None,
+                 max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP) -> None:
+        super().__init__(model, namespace, content_type, max_backlog, group)
         self.redis = redis_client or aioredis.Redis.from_url(url)
+        self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
 
     async def submit(self, payload: Any, *, request_id: str | None = None,
                      reply_to: str | None = None, deadline_ms: int | None = None,
                      priority: int = 0) -> str:
         request_id = request_id or new_request_id()
-        await self.redis.xadd(self.stream, self._fields(payload, request_id, reply_to,
-                                                        deadline_ms, priority))
+        fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
+        if self.max_backlog is None:
+            await self.redis.xadd(self.stream, fields)
+        else:
+            self._accepted(await self._add_if_under(keys=[self.stream],
+                                                    args=self._add_arguments([fields])))
         return request_id
 
     async def submit_many(self, payloads: Sequence[Any], *, reply_to: str | None = None,
                           deadline_ms: int | None = None, priority: int = 0) -> list[str]:
         ids: list[str] = []
+        if self.max_backlog is not None:
+            for chunk_ids, args in self._limited_chunks(payloads, reply_to, deadline_ms,
+                                                        priority):
+                self._accepted(await self._add_if_under(keys=[self.stream], args=args), ids)
+                ids += chunk_ids
+            return ids
         for start in range(0, len(payloads), PIPELINE_CHUNK):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for payload in payloads[start:start + PIPELINE_CHUNK]:

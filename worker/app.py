@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from worker.settings import Settings
 from worker.worker import Worker
 
 log = structlog.get_logger("redbatch")
+GRACE_MARGIN_S = 2.0  # beyond shutdown_grace_s, for the last blocking read to return
 
 
 class StartupError(Exception):
@@ -70,6 +72,12 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     return Worker(settings, model, Executor(model, device), client)
 
 
+def exit_after_grace() -> None:
+    log.warning("worker.grace_expired", hint="unanswered entries stay pending for others")
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def install_signal_handlers(worker: Worker) -> None:
     """First SIGTERM/SIGINT: stop reading, answer what is held, exit 0. Second: exit now;
     unanswered entries stay pending in the group for another worker to claim."""
@@ -79,8 +87,14 @@ def install_signal_handlers(worker: Worker) -> None:
             log.warning("worker.forced_exit", signal=signum)
             sys.stderr.flush()
             os._exit(130)
-        log.info("worker.stopping", signal=signal.Signals(signum).name)
+        log.info("worker.stopping", signal=signal.Signals(signum).name,
+                 grace_s=worker.settings.shutdown_grace_s)
         worker.stop()
+        # A batch stuck on the device cannot be interrupted: leave its entries pending.
+        watchdog = threading.Timer(worker.settings.shutdown_grace_s + GRACE_MARGIN_S,
+                                   exit_after_grace)
+        watchdog.daemon = True
+        watchdog.start()
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)

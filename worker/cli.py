@@ -12,7 +12,7 @@ from typing import Any
 from worker.log import configure_logging
 from worker.settings import Settings, SettingsError, load_settings
 
-COMMANDS = ("run", "demo")
+COMMANDS = ("run", "demo", "dead-letters")
 
 
 def _is_structured(annotation: Any) -> bool:
@@ -53,7 +53,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_setting_flags(demo)
     demo.add_argument("--sentences", type=Path, default=None, help="one text per line")
     demo.add_argument("--count", type=int, default=300, help="how many texts to embed")
+    dead = commands.add_parser("dead-letters", help="list dead letters, or requeue them")
+    add_setting_flags(dead)
+    dead.add_argument("--limit", type=int, default=100, help="how many to list (oldest first)")
+    dead.add_argument("--requeue", nargs="+", metavar="DEAD_LETTER_ID", default=[],
+                      help="put these back on the request stream")
+    dead.add_argument("--requeue-all", action="store_true", help="requeue every one listed")
     return parser
+
+
+def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
+    """List dead letters as JSON lines; with --requeue, put them back on the stream."""
+    from producer.protocol import dead_letter_key, stream_key
+    from worker.app import connect, redis_url
+    from worker.deadletter import list_dead_letters, requeue_dead_letters
+
+    dead_stream = dead_letter_key(settings.namespace, settings.model_name)
+    with redis_url(settings) as url:
+        client = connect(url, settings.block_ms)
+        listed = list_dead_letters(client, dead_stream, args.limit)
+        chosen = [d.id for d in listed] if args.requeue_all else args.requeue
+        if not chosen:
+            for dead in listed:
+                print(json.dumps(dead.summary(), ensure_ascii=False))
+            return 0
+        added = requeue_dead_letters(client, dead_stream,
+                                     stream_key(settings.namespace, settings.model_name), chosen)
+        print(f"requeued {len(added)} of {len(chosen)} to {settings.model_name}",
+              file=sys.stderr)
+        return 0 if len(added) == len(chosen) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             from worker.demo import run_demo
 
             return run_demo(settings, args.sentences, args.count)
+        if args.command == "dead-letters":
+            return dead_letters(settings, args)
+        if settings.processes > 1 or settings.devices:
+            from worker.supervisor import supervise
+
+            return supervise(settings)
         return serve(settings)
     except (SettingsError, StartupError) as exc:
         return refuse(exc)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -17,6 +17,8 @@ UNANSWERABLE = Counter("redbatch_unanswerable_entries",
 DROPPED_REPLIES = Counter("redbatch_dropped_replies",
                           "Results dropped because another consumer had claimed the entry",
                           ["model"])
+BACKLOG = Gauge("redbatch_backlog", "Entries the group has not acked: pending + undelivered",
+                ["model"], multiprocess_mode="mostrecent")
 BATCH_SIZE = Histogram("redbatch_batch_size", "Requests per batch", ["model", "bucket"],
                        buckets=SIZE_BUCKETS)
 PADDED_TOKENS = Histogram("redbatch_batch_padded_tokens", "n x longest per batch",

@@ -34,6 +34,11 @@ return dropped
 """
 
 
+def is_nogroup(exc: redis.ResponseError) -> bool:
+    """The stream or its group is gone (Redis restarted without persistence, or flushed)."""
+    return "NOGROUP" in str(exc)
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     entry_id: str
@@ -61,7 +66,12 @@ class Replier:
         args: list[str | bytes | int] = [self.group, self.consumer, self.ttl_ms]
         for r in replies:
             args += (r.entry_id, r.envelope)
-        dropped = self._script(keys=keys, args=args)
+        try:
+            dropped = self._script(keys=keys, args=args)
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            return [r.entry_id for r in replies]  # Redis lost the group: none of them is ours
         return [d.decode() if isinstance(d, bytes) else d for d in dropped]
 
     def ack(self, entry_ids: Sequence[str]) -> None:

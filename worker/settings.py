@@ -47,6 +47,15 @@ class Settings(BaseSettings):
     block_ms: int = Field(1000, gt=0, description="XREADGROUP BLOCK; never 0")
 
     result_ttl_ms: int = Field(3_600_000, gt=0)
+
+    claim_idle_ms: int = Field(30_000, gt=0, description="claim others' entries idle this long")
+    max_deliveries: int = Field(5, gt=0, description="deliveries before an entry is dead-lettered")
+    consumer_idle_ms: int = Field(3_600_000, gt=0,
+                                  description="remove consumers idle this long, holding nothing")
+    maintenance_interval_s: float = Field(5.0, gt=0, description="trim, backlog gauge, cleanup")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="time to answer what is held on stop")
+    processes: int = Field(1, gt=0, description="worker processes to run and supervise")
+    devices: str = Field("", description="comma-separated, e.g. cuda:0,cuda:1: a process each")
     max_payload_bytes: int = Field(1 << 20, gt=0)
 
     metrics_port: int = Field(9100, ge=0, le=65535, description="0 disables /metrics")

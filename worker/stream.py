@@ -2,7 +2,9 @@
 
 Reads block with a timeout (never BLOCK 0: a half-open connection could hang forever), and
 the client's socket timeout is longer than the block. A restarted worker first drains its
-own pending entries (id 0), then reads new ones (id >).
+own pending entries (id 0), then reads new ones (id >). It drains them one at a time (the
+worker runs each alone before the next): one of them may be the input that crashed the
+previous process, and delivering it with others would count a delivery against them all.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ Fields = dict[bytes, bytes]
 class Entry:
     id: str
     fields: Fields | None  # None: the entry was deleted or trimmed while pending
+    redelivered: bool = False  # delivered before (own pending, or claimed): may be poison
 
 
 class StreamReader:
@@ -49,7 +52,7 @@ class StreamReader:
 
     def _read(self, count: int, block_ms: int) -> list[Entry]:
         if self.draining_own_pending:
-            entries = self._xreadgroup("0", count, None)
+            entries = self._xreadgroup("0", 1, None)
             if entries:
                 return entries
             self.draining_own_pending = False
@@ -64,7 +67,8 @@ class StreamReader:
             messages = next(iter(response.values()))[0]
         else:
             messages = response[0][1]
-        return [Entry(_text(entry_id), fields or None) for entry_id, fields in messages]
+        return [Entry(_text(entry_id), fields or None, start != ">")
+                for entry_id, fields in messages]
 
 
 def _text(value: bytes | str) -> str:

@@ -7,6 +7,10 @@
 Decoding and tokenising the next requests overlaps the compute of the current batch, and
 replies are written while the next batch runs. At most `max_inflight` entries are held
 between reading and answering, so other workers in the group get the rest.
+
+Reliability lives beside it: the reader also claims dead consumers' entries (reclaimer.py)
+and diverts poison ones (deadletter.py); a maintenance thread trims and exports the backlog
+(maintenance.py); on stop() what is held is answered within `shutdown_grace_s`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry, Request
 from worker import metrics
 from worker.batching import Batch, Batcher, BatchLimits, Pending
+from worker.deadletter import DeadLetters
 from worker.execution import Executor
+from worker.maintenance import Maintenance
 from worker.models.base import Model
+from worker.reclaimer import Reclaimer
 from worker.replier import Replier, Reply
 from worker.settings import Settings
 from worker.stream import Entry, StreamReader
@@ -61,6 +68,10 @@ def entry_time_ms(entry_id: str) -> int:
     return int(entry_id.partition("-")[0])
 
 
+class ShutdownExpired(Exception):
+    """The shutdown grace has passed: stop waiting for Redis; unanswered entries stay pending."""
+
+
 def backoff_delays(base: float = 0.05, cap: float = 2.0) -> Iterator[float]:
     """Capped exponential backoff with full jitter."""
     delay = base
@@ -80,6 +91,15 @@ class Worker:
         self.reader = StreamReader(client, self.stream, settings.group, settings.consumer)
         self.replier = Replier(client, self.stream, settings.group, settings.consumer,
                                settings.result_ttl_ms)
+        self.reclaimer = Reclaimer(client, self.stream, settings.group, settings.consumer,
+                                   settings.claim_idle_ms, self.name)
+        self.dead_letters = DeadLetters(
+            client, self.stream, settings.group, settings.consumer, namespace=settings.namespace,
+            model_name=self.name, max_deliveries=settings.max_deliveries,
+            result_ttl_ms=settings.result_ttl_ms, max_payload_bytes=settings.max_payload_bytes)
+        self.maintenance = Maintenance(client, self.stream, settings.group, self.name,
+                                       self.reclaimer, settings.maintenance_interval_s,
+                                       settings.consumer_idle_ms)
         boundaries = settings.bucket_boundaries
         if boundaries is None:
             boundaries = list(model.default_bucket_boundaries)
@@ -91,6 +111,7 @@ class Worker:
         self._answers: queue.Queue[list[Answer] | None] = queue.Queue()
         self.stopping = threading.Event()
         self.ready = threading.Event()
+        self._give_up_at = float("inf")  # monotonic time at which the shutdown grace ends
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -101,6 +122,8 @@ class Worker:
         replier = threading.Thread(target=self._reply_loop, name="redbatch-replier", daemon=True)
         reader.start()
         replier.start()
+        threading.Thread(target=self.maintenance.run, args=(self.stopping,),
+                         name="redbatch-maintenance", daemon=True).start()
         self.ready.set()
         log.info("worker.serving", stream=self.stream, group=self.settings.group,
                  consumer=self.settings.consumer, buckets=self.batcher.boundaries)
@@ -113,6 +136,9 @@ class Worker:
             log.info("worker.stopped", consumer=self.settings.consumer)
 
     def stop(self) -> None:
+        """Stop reading; what is held is answered until `shutdown_grace_s` has passed."""
+        if not self.stopping.is_set():
+            self._give_up_at = time.monotonic() + self.settings.shutdown_grace_s
         self.stopping.set()
         with self._lock:
             self._lock.notify_all()
@@ -124,24 +150,41 @@ class Worker:
             while not self.stopping.is_set():
                 room = self._wait_for_room()
                 if room:
-                    count = min(room, self.settings.read_count)
-                    self._admit(self._retry(self.reader.read, count, self.settings.block_ms))
+                    self._admit(self._retry(self._next_entries, room))
+        except ShutdownExpired:
+            pass
         finally:
             with self._lock:
                 self._reading = False
                 self._lock.notify_all()
 
     def _wait_for_room(self) -> int:
+        """Free in-flight slots. Own pending entries are drained one at a time (stream.py),
+        each once everything held is answered, so a poison one crashes nothing else."""
         with self._lock:
-            while len(self._held) >= self.settings.max_inflight and not self.stopping.is_set():
+            while self._is_full() and not self.stopping.is_set():
                 self._lock.wait(0.5)
             return self.settings.max_inflight - len(self._held)
+
+    def _is_full(self) -> bool:
+        if self.reader.draining_own_pending:  # one of them may be poison: each runs alone
+            return bool(self._held)
+        return len(self._held) >= self.settings.max_inflight
+
+    def _next_entries(self, room: int) -> list[Entry]:
+        """Idle entries of other consumers when a sweep is due, else our own and new ones."""
+        if self.reclaimer.due() and not self.reader.draining_own_pending:
+            claimed = self.reclaimer.claim(room)
+            if claimed:
+                return claimed
+        return self.reader.read(min(room, self.settings.read_count), self.settings.block_ms)
 
     def _admit(self, entries: Sequence[Entry]) -> None:
         """Validate and prepare new entries, queue the good ones, answer the bad ones."""
         now, now_ms = time.monotonic(), int(time.time() * 1000)
         with self._lock:  # a redelivered entry we already hold is skipped, not run twice
             entries = [e for e in entries if e.id not in self._held]
+        entries = self._retry(self.dead_letters.divert, entries)
         good: list[Pending] = []
         bad: list[Answer] = []
         unanswerable: list[str] = []
@@ -211,7 +254,7 @@ class Worker:
                 batch = self.batcher.next_batch(time.monotonic(), int(time.time() * 1000), flush)
                 if batch is not None:
                     return batch
-                if not self._reading:
+                if not self._reading or time.monotonic() >= self._give_up_at:
                     return None
                 until_ready = self.batcher.seconds_until_ready(time.monotonic())
                 self._lock.wait(0.5 if until_ready is None else until_ready)
@@ -262,6 +305,12 @@ class Worker:
     # --- replying -----------------------------------------------------------------------------
 
     def _reply_loop(self) -> None:
+        try:
+            self._write_replies()
+        except ShutdownExpired:
+            log.warning("worker.grace_expired", left_pending=len(self._held))
+
+    def _write_replies(self) -> None:
         while (answers := self._next_answers()) is not None:
             replies = [self._encode(answer) for answer in answers]
             dropped = self._retry(self.replier.send, replies)
@@ -303,13 +352,17 @@ class Worker:
     # --- Redis faults -------------------------------------------------------------------------
 
     def _retry(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run a Redis operation, retrying connection faults with backoff until it succeeds."""
+        """Run a Redis operation, retrying connection faults with backoff until it succeeds,
+        or until the shutdown grace has passed (ShutdownExpired)."""
         delays = backoff_delays()
         while True:
             try:
                 return operation(*args)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                delay = next(delays)
+                left = self._give_up_at - time.monotonic()
+                if left <= 0:
+                    raise ShutdownExpired from exc
+                delay = min(next(delays), left)
                 log.warning("redis.unavailable", error=str(exc), retry_in_s=round(delay, 3))
                 self.reader.draining_own_pending = True  # a lost reply may have delivered entries
                 time.sleep(delay)

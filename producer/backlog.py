@@ -1,0 +1,63 @@
+"""A consumer group's backlog, and enqueueing only while it is under a limit.
+
+Backlog = entries not yet acked by the group: the pending ones (read, not yet answered)
+plus those not yet delivered. Redis 7 reports the second figure as `lag`; on 6.2 (or when
+Redis 7 cannot tell) the entries after the group's last-delivered id are counted, at most
+`cap` of them, so the check stays bounded. The check and the XADDs run in one Lua script,
+so a flood of producers cannot race past the limit.
+"""
+
+from __future__ import annotations
+
+BACKLOG_FUNCTION = """
+local function backlog(stream, group, cap)
+  if redis.call('EXISTS', stream) == 0 then return 0 end
+  for _, raw in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #raw, 2 do info[raw[i]] = raw[i + 1] end
+    if info['name'] == group then
+      if type(info['lag']) == 'number' then return info['pending'] + info['lag'] end
+      local undelivered = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+',
+                                     'COUNT', cap)
+      return info['pending'] + #undelivered
+    end
+  end
+  return redis.call('XLEN', stream)  -- no worker has created the group yet: all waits
+end
+"""
+
+BACKLOG = BACKLOG_FUNCTION + """
+-- KEYS[1] stream; ARGV[1] group, ARGV[2] cap on the entries counted one by one
+return backlog(KEYS[1], ARGV[1], tonumber(ARGV[2]))
+"""
+
+ADD_IF_UNDER = BACKLOG_FUNCTION + """
+-- KEYS[1] stream; ARGV[1] group, ARGV[2] max backlog, then per entry: field count, pairs.
+-- All entries are added, or none when they would take the backlog past the limit.
+-- Returns {1, id...} when added, {0, backlog} when refused.
+local stream, group, limit = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local entries, i = {}, 3
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  entries[#entries + 1] = {unpack(ARGV, i + 1, i + 2 * n)}
+  i = i + 1 + 2 * n
+end
+local current = backlog(stream, group, limit + 1)
+if current + #entries > limit then return {0, current} end
+local ids = {1}
+for _, fields in ipairs(entries) do
+  ids[#ids + 1] = redis.call('XADD', stream, '*', unpack(fields))
+end
+return ids
+"""
+
+
+def add_arguments(group: str, max_backlog: int,
+                  entries: list[dict[str, str | bytes | int]]) -> list[str | bytes | int]:
+    """The ARGV of ADD_IF_UNDER for these entries' fields."""
+    args: list[str | bytes | int] = [group, max_backlog]
+    for fields in entries:
+        args.append(len(fields))
+        for name, value in fields.items():
+            args += (name, value)
+    return args

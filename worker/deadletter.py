@@ -1,0 +1,204 @@
+"""Poison entries: after `max_deliveries` deliveries an entry goes to a dead-letter stream.
+
+An entry that keeps coming back (its worker crashed or hung on it every time) would
+otherwise loop forever. Only redelivered entries (own pending drain, claimed) are checked,
+so fresh reads pay nothing. Moving one is one Lua script: copy its fields, the reason and
+the delivery count to `<namespace>:dead:<model>`, answer `dead_letter`, and ack it — and only
+while this consumer still owns it, like every other reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import structlog
+
+from producer import protocol
+from producer.protocol import ErrorCode, InvalidEntry
+from worker import metrics
+from worker.replier import is_nogroup
+from worker.stream import Entry, Fields
+
+log = structlog.get_logger("redbatch.deadletter")
+DEAD_LETTER_MAXLEN = 100_000  # approximate cap on the dead-letter stream
+META_PREFIX = "dead:"  # fields added to the original ones; stripped again on requeue
+
+MOVE_TO_DEAD = """
+-- KEYS[1] stream, KEYS[2] dead-letter stream, KEYS[3..n+2] reply keys ('' when none)
+-- ARGV[1] group, ARGV[2] consumer, ARGV[3] reply ttl ms, ARGV[4] dead-letter maxlen,
+-- then per entry: entry id, deliveries, reason, envelope. Returns the ids moved.
+local stream, dead = KEYS[1], KEYS[2]
+local group, consumer, ttl, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local moved = {}
+for i = 3, #KEYS do
+  local a = 5 + (i - 3) * 4
+  local entry_id, deliveries, reason, envelope = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  if #redis.call('XPENDING', stream, group, entry_id, entry_id, 1, consumer) == 1 then
+    local found = redis.call('XRANGE', stream, entry_id, entry_id)
+    local fields = (#found == 1 and found[1][2]) or {}
+    redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', 'dead:entry_id', entry_id,
+               'dead:deliveries', deliveries, 'dead:error', reason, 'dead:consumer', consumer,
+               unpack(fields))
+    if KEYS[i] ~= '' then
+      redis.call('LPUSH', KEYS[i], envelope)
+      redis.call('PEXPIRE', KEYS[i], ttl)
+    end
+    redis.call('XACK', stream, group, entry_id)
+    moved[#moved + 1] = entry_id
+  end
+end
+return moved
+"""
+
+REQUEUE = """
+-- KEYS[1] dead-letter stream, KEYS[2] request stream; ARGV: dead-letter entry ids.
+-- Each entry goes back on the request stream with its original fields. Returns the new ids.
+local added = {}
+for _, dead_id in ipairs(ARGV) do
+  local found = redis.call('XRANGE', KEYS[1], dead_id, dead_id)
+  if #found == 1 then
+    local fields, original = found[1][2], {}
+    for i = 1, #fields, 2 do
+      if string.sub(fields[i], 1, 5) ~= 'dead:' then
+        original[#original + 1] = fields[i]
+        original[#original + 1] = fields[i + 1]
+      end
+    end
+    if #original > 0 then
+      added[#added + 1] = redis.call('XADD', KEYS[2], '*', unpack(original))
+    end
+    redis.call('XDEL', KEYS[1], dead_id)
+  end
+end
+return added
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An entry as kept in the dead-letter stream."""
+
+    id: str
+    fields: dict[str, str]
+
+    def summary(self) -> dict[str, str | int]:
+        """What an operator needs to decide on it (the payload only by size)."""
+        fields = self.fields
+        return {"dead_letter_id": self.id, "request_id": fields.get("id", ""),
+                "entry_id": fields.get("dead:entry_id", ""),
+                "deliveries": int(fields.get("dead:deliveries", 0)),
+                "error": fields.get("dead:error", ""), "consumer": fields.get("dead:consumer", ""),
+                "payload_bytes": len(fields.get("payload", ""))}
+
+
+def is_poison(deliveries: int, max_deliveries: int) -> bool:
+    return deliveries > max_deliveries
+
+
+def reply_target(fields: Fields | None, namespace: str,
+                 max_payload_bytes: int) -> tuple[str, str, str] | None:
+    """(request id, reply key, content type) of an entry, when it can be answered at all."""
+    if fields is None:
+        return None
+    try:
+        request = protocol.parse_entry(fields, namespace, max_payload_bytes)
+    except InvalidEntry as exc:
+        if not exc.answerable:
+            return None
+        assert exc.request_id is not None and exc.reply_to is not None
+        return exc.request_id, exc.reply_to, exc.content_type
+    return request.id, request.reply_to, request.content_type
+
+
+class DeadLetters:
+    """Diverts poison entries of one stream, for one consumer."""
+
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, *,
+                 namespace: str, model_name: str, max_deliveries: int, result_ttl_ms: int,
+                 max_payload_bytes: int) -> None:
+        self.client = client
+        self.stream = stream
+        self.dead_stream = protocol.dead_letter_key(namespace, model_name)
+        self.group = group
+        self.consumer = consumer
+        self.namespace = namespace
+        self.model_name = model_name
+        self.max_deliveries = max_deliveries
+        self.result_ttl_ms = result_ttl_ms
+        self.max_payload_bytes = max_payload_bytes
+        self._move = client.register_script(MOVE_TO_DEAD)
+
+    def divert(self, entries: Sequence[Entry]) -> list[Entry]:
+        """Move the poison ones among redelivered entries; return those still to serve.
+
+        A redelivered entry this consumer no longer owns (claimed by another meanwhile) is
+        left out too: its answer would be dropped anyway.
+        """
+        redelivered = [e for e in entries if e.redelivered]
+        if not redelivered:
+            return list(entries)
+        try:
+            counts = self.delivery_counts([e.id for e in redelivered])
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            return []  # the group is gone with its pending entries: none of these is ours
+        poison = [e for e in redelivered
+                  if e.id in counts and is_poison(counts[e.id], self.max_deliveries)]
+        if poison:
+            self.move(poison, counts)
+        poison_ids = {e.id for e in poison}
+        return [e for e in entries
+                if not e.redelivered or (e.id in counts and e.id not in poison_ids)]
+
+    def delivery_counts(self, entry_ids: Sequence[str]) -> dict[str, int]:
+        """Times delivered, for the given entries this consumer owns (XPENDING, no increment)."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1, self.consumer)
+        return {row["message_id"].decode(): int(row["times_delivered"])
+                for rows in pipe.execute() for row in rows}
+
+    def move(self, entries: Sequence[Entry], counts: dict[str, int]) -> list[str]:
+        """Dead-letter, answer and ack these entries in one script; returns the ids moved."""
+        keys: list[str] = [self.stream, self.dead_stream]
+        args: list[str | bytes | int] = [self.group, self.consumer, self.result_ttl_ms,
+                                         DEAD_LETTER_MAXLEN]
+        for entry in entries:
+            reason = (f"delivered {counts[entry.id]} times without an answer (max_deliveries "
+                      f"{self.max_deliveries}): a worker crashed or hung on it each time")
+            target = reply_target(entry.fields, self.namespace, self.max_payload_bytes)
+            envelope = b""
+            if target is not None:
+                request_id, reply_key, content_type = target
+                envelope = protocol.encode(protocol.error_envelope(
+                    request_id, ErrorCode.DEAD_LETTER, reason), content_type)
+            keys.append(target[1] if target else "")
+            args += (entry.id, counts[entry.id], reason, envelope)
+        moved = [_text(m) for m in self._move(keys=keys, args=args)]
+        metrics.REQUESTS.labels(self.model_name, ErrorCode.DEAD_LETTER.value).inc(len(moved))
+        log.warning("entries.dead_lettered", entry_ids=moved, dead_letter_stream=self.dead_stream)
+        return moved
+
+
+def list_dead_letters(client: redis.Redis, dead_stream: str, count: int) -> list[DeadLetter]:
+    """The oldest `count` dead letters."""
+    entries: Any = client.xrange(dead_stream, count=count)
+    return [DeadLetter(_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
+            for entry_id, fields in entries]
+
+
+def requeue_dead_letters(client: redis.Redis, dead_stream: str, stream: str,
+                         dead_ids: Sequence[str]) -> list[str]:
+    """Put dead letters back on the request stream (atomically); returns the new entry ids."""
+    if not dead_ids:
+        return []
+    added: Any = client.register_script(REQUEUE)(keys=[dead_stream, stream], args=list(dead_ids))
+    return [_text(a) for a in added]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

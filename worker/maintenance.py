@@ -1,0 +1,89 @@
+"""Periodic upkeep of a stream: trim what every group has acked, export the backlog, remove
+consumers that left. Every worker runs it; each step is one atomic script, so running it in
+many workers at once is harmless. A failing step is logged and tried again next period.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import redis
+import structlog
+
+from producer.backlog import BACKLOG
+from worker import metrics
+from worker.reclaimer import Reclaimer
+
+log = structlog.get_logger("redbatch.maintenance")
+BACKLOG_GAUGE_CAP = 100_000  # Redis < 7 counts undelivered entries one by one: bound the cost
+
+TRIM_ACKED = """
+-- KEYS[1] stream. Trims (XTRIM MINID) below the oldest entry that some group has not acked:
+-- the smallest pending id or the first entry after last-delivered-id, over all groups.
+-- Computed and applied in one step, so no entry still to be answered is ever trimmed.
+-- Returns the number of entries trimmed.
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local function older(a, b)
+  local ams, aseq = string.match(a, '(%d+)-(%d+)')
+  local bms, bseq = string.match(b, '(%d+)-(%d+)')
+  ams, bms = tonumber(ams), tonumber(bms)
+  return ams < bms or (ams == bms and tonumber(aseq) < tonumber(bseq))
+end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return 0 end  -- nobody consumes yet: keep everything
+local keep = nil
+for _, raw in ipairs(groups) do
+  local info = {}
+  for i = 1, #raw, 2 do info[raw[i]] = raw[i + 1] end
+  local candidates = {}
+  if info['pending'] > 0 then
+    candidates[1] = redis.call('XPENDING', KEYS[1], info['name'])[2]
+  end
+  local undelivered = redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+',
+                                 'COUNT', 1)
+  if #undelivered == 1 then candidates[#candidates + 1] = undelivered[1][1] end
+  for _, id in ipairs(candidates) do
+    if keep == nil or older(id, keep) then keep = id end
+  end
+end
+if keep == nil then return redis.call('XTRIM', KEYS[1], 'MAXLEN', 0) end
+return redis.call('XTRIM', KEYS[1], 'MINID', keep)
+"""
+
+
+class Maintenance:
+    def __init__(self, client: redis.Redis, stream: str, group: str, model_name: str,
+                 reclaimer: Reclaimer, interval_s: float, consumer_idle_ms: int) -> None:
+        self.stream = stream
+        self.group = group
+        self.model_name = model_name
+        self.reclaimer = reclaimer
+        self.interval_s = interval_s
+        self.consumer_idle_ms = consumer_idle_ms
+        self._trim = client.register_script(TRIM_ACKED)
+        self._backlog = client.register_script(BACKLOG)
+
+    def run(self, stopping: threading.Event) -> None:
+        while not stopping.wait(self.interval_s):
+            try:
+                self.run_once()
+            except redis.RedisError as exc:
+                log.warning("maintenance.failed", error=str(exc))
+
+    def run_once(self) -> None:
+        trimmed = self.trim()
+        if trimmed:
+            log.debug("stream.trimmed", entries=trimmed)
+        metrics.BACKLOG.labels(self.model_name).set(self.backlog())
+        self.reclaimer.remove_idle_consumers(self.consumer_idle_ms)
+
+    def trim(self) -> int:
+        """Drop the entries every group has acked; returns how many went."""
+        trimmed: Any = self._trim(keys=[self.stream])
+        return int(trimmed)
+
+    def backlog(self) -> int:
+        """Entries the group has not acked yet (pending plus undelivered)."""
+        backlog: Any = self._backlog(keys=[self.stream], args=[self.group, BACKLOG_GAUGE_CAP])
+        return int(backlog)

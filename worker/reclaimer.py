@@ -1,0 +1,118 @@
+"""Recovering the entries of consumers that died (or froze) and tidying up after them.
+
+XAUTOCLAIM takes entries idle longer than `claim_idle_ms`; it scans at most COUNT x 10
+pending entries per call and returns a cursor, which is followed rather than restarting at
+0-0, so a long pending list is swept once instead of its head over and over. The claimed
+entries go through the worker's normal admission and are re-batched. Should the slow owner
+wake up, the replier's ownership check drops its late answer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+import structlog
+
+from worker import metrics
+from worker.replier import is_nogroup
+from worker.stream import Entry
+
+log = structlog.get_logger("redbatch.reclaimer")
+START = "0-0"
+
+CLAIM = """
+-- KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] min idle ms, ARGV[4] cursor,
+-- ARGV[5] count. Entries deleted from the stream are acked: Redis 7 lists them apart, 6.2
+-- returns them with nil fields (the worker acks those). Returns {cursor, entries, deleted}.
+local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4],
+                     'COUNT', ARGV[5])
+local deleted = r[3] or {}
+if #deleted > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(deleted)) end
+return {r[1], r[2], #deleted}
+"""
+
+REMOVE_IDLE_CONSUMERS = """
+-- KEYS[1] stream; ARGV[1] group, ARGV[2] idle ms, ARGV[3] this consumer (kept).
+-- Only consumers with nothing pending go: DELCONSUMER would drop their pending entries.
+local removed = {}
+for _, raw in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #raw, 2 do info[raw[i]] = raw[i + 1] end
+  if info['pending'] == 0 and info['idle'] > tonumber(ARGV[2]) and info['name'] ~= ARGV[3] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    removed[#removed + 1] = info['name']
+  end
+end
+return removed
+"""
+
+
+class Reclaimer:
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
+                 claim_idle_ms: int, model_name: str) -> None:
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.claim_idle_ms = claim_idle_ms
+        self.model_name = model_name
+        self.interval_s = claim_idle_ms / 4000  # an idle entry waits at most 1.25 x the limit
+        self.cursor = START
+        self._next_sweep = time.monotonic() + self.interval_s
+        self._claim = client.register_script(CLAIM)
+        self._remove_idle = client.register_script(REMOVE_IDLE_CONSUMERS)
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next_sweep
+
+    def claim(self, count: int) -> list[Entry]:
+        """Claim up to `count` idle entries, continuing the sweep where the last call ended."""
+        try:
+            result: Any = self._claim(keys=[self.stream], args=[
+                self.group, self.consumer, self.claim_idle_ms, self.cursor, count])
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            self._restart_sweep()  # the reader recreates the group
+            return []
+        cursor, raw_entries, deleted = result
+        self.cursor = _text(cursor)
+        if self.cursor == START:
+            self._restart_sweep()  # swept the whole pending list: rest until the next round
+        if deleted:
+            metrics.UNANSWERABLE.labels(self.model_name, "deleted").inc(deleted)
+        entries = [Entry(_text(entry_id), _fields(fields), redelivered=True)
+                   for entry_id, fields in raw_entries]
+        if entries or deleted:
+            log.info("entries.claimed", count=len(entries), deleted=deleted)
+        return entries
+
+    def remove_idle_consumers(self, idle_ms: int) -> list[str]:
+        """Remove consumers idle longer than `idle_ms` that hold nothing; returns their names."""
+        try:
+            removed: Any = self._remove_idle(keys=[self.stream],
+                                             args=[self.group, idle_ms, self.consumer])
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            return []
+        names = [_text(name) for name in removed]
+        if names:
+            log.info("consumers.removed", consumers=names)
+        return names
+
+    def _restart_sweep(self) -> None:
+        self.cursor = START
+        self._next_sweep = time.monotonic() + self.interval_s
+
+
+def _fields(raw: list[bytes] | None) -> dict[bytes, bytes] | None:
+    """A flat [field, value, ...] list as a dict; None for an entry deleted while pending."""
+    if not raw:
+        return None
+    return dict(zip(raw[::2], raw[1::2], strict=True))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,157 @@
+"""`--processes N` / `--devices cuda:0,cuda:1`: run and supervise worker processes.
+
+Each child is a plain `python -m worker run` with every setting passed as a flag, its own
+consumer name and device. Slot i keeps the name `<consumer>-i` across restarts, so a child
+that replaces a crashed one drains its predecessor's pending entries at once instead of
+waiting `claim_idle_ms` for a reclaim. Children run in their own session: a terminal's
+Ctrl-C reaches the supervisor only, which passes SIGTERM/SIGINT on and waits for them.
+Their metrics are collected in a multiprocess directory and served here, summed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+
+import structlog
+from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+from worker.app import StartupError, redis_url
+from worker.settings import Settings
+from worker.worker import backoff_delays
+
+log = structlog.get_logger("redbatch.supervisor")
+HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without backoff
+EXIT_STARTUP_ERROR = 2  # the child's exit code for bad settings: restarting will not help
+POLL_S = 0.2
+
+
+def child_settings(settings: Settings, url: str) -> list[Settings]:
+    """One Settings per child: its slot's consumer name and device, one process, no /metrics."""
+    devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
+    slots = devices or [settings.device] * settings.processes
+    return [settings.model_copy(update={
+        "consumer": f"{settings.consumer}-{slot}", "device": device, "redis_url": url,
+        "processes": 1, "devices": "", "metrics_port": 0}) for slot, device in enumerate(slots)]
+
+
+def settings_flags(settings: Settings) -> list[str]:
+    """Command-line flags that reproduce these settings exactly in a child process."""
+    flags: list[str] = []
+    for name, value in settings.model_dump(mode="json").items():
+        if value is not None:
+            text = json.dumps(value) if isinstance(value, list | dict) else str(value)
+            flags += [f"--{name.replace('_', '-')}", text]
+    return flags
+
+
+@dataclass
+class Child:
+    slot: int
+    command: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restart_at: float = 0.0
+    delays: Iterator[float] = field(default_factory=lambda: backoff_delays(0.5, 10.0))
+
+
+class Supervisor:
+    def __init__(self, commands: list[list[str]], env: dict[str, str]) -> None:
+        self.children = [Child(slot, command) for slot, command in enumerate(commands)]
+        self.env = env
+        self.stopping = threading.Event()
+        self.exit_code = 0
+
+    def run(self) -> int:
+        """Keep every child running until a signal; then pass it on and wait for them."""
+        for child in self.children:
+            self._start(child)
+        while not self.stopping.wait(POLL_S):
+            for child in self.children:
+                self._tend(child)
+        for child in self.children:
+            if child.process:
+                child.process.wait()
+        log.info("supervisor.stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    def signal(self, signum: int) -> None:
+        """Pass a signal on to every child (a second one makes them exit at once)."""
+        self.stopping.set()
+        for child in self.children:
+            if child.process and child.process.poll() is None:
+                child.process.send_signal(signum)
+
+    def _start(self, child: Child) -> None:
+        child.process = subprocess.Popen(child.command, env=self.env, start_new_session=True)
+        child.started_at = time.monotonic()
+        log.info("child.started", slot=child.slot, pid=child.process.pid)
+
+    def _tend(self, child: Child) -> None:
+        """Restart a child that died, after a backoff that grows while it keeps dying."""
+        assert child.process is not None
+        code = child.process.poll()
+        now = time.monotonic()
+        if code is None or self.stopping.is_set():
+            return
+        if not child.restart_at:  # just noticed
+            multiprocess.mark_process_dead(child.process.pid,
+                                           self.env["PROMETHEUS_MULTIPROC_DIR"])
+            if code == EXIT_STARTUP_ERROR:
+                log.error("child.cannot_start", slot=child.slot)
+                self.exit_code = EXIT_STARTUP_ERROR
+                self.signal(signal.SIGTERM)
+                return
+            if now - child.started_at > HEALTHY_AFTER_S:
+                child.delays = backoff_delays(0.5, 10.0)
+            delay = next(child.delays)
+            child.restart_at = now + delay
+            log.warning("child.died", slot=child.slot, pid=child.process.pid, exit_code=code,
+                        restart_in_s=round(delay, 2))
+        elif now >= child.restart_at:
+            child.restart_at = 0.0
+            self._start(child)
+
+
+def serve_metrics(directory: str, host: str, port: int) -> None:
+    """/metrics summing every child's samples (prometheus_client multiprocess mode)."""
+    if port:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)
+        start_http_server(port, addr=host, registry=registry)
+
+
+def supervise(settings: Settings) -> int:
+    metrics_dir = tempfile.mkdtemp(prefix="redbatch-metrics-")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    try:
+        with redis_url(settings) as url:
+            commands = [[sys.executable, "-m", "worker", "run", *settings_flags(child)]
+                        for child in child_settings(settings, url)]
+            try:
+                serve_metrics(metrics_dir, settings.metrics_host, settings.metrics_port)
+            except OSError as exc:
+                raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: "
+                                   f"{exc}") from None
+            supervisor = Supervisor(commands, env)
+
+            def handle(signum: int, frame: FrameType | None) -> None:
+                log.info("supervisor.signal", signal=signal.Signals(signum).name)
+                supervisor.signal(signum)
+
+            signal.signal(signal.SIGTERM, handle)
+            signal.signal(signal.SIGINT, handle)
+            log.info("supervisor.started", processes=len(commands), metrics_dir=metrics_dir)
+            return supervisor.run()
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
