@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,3 +37,25 @@ class UnloadableModel(EchoModel):
 
     def load(self, device: torch.device) -> None:
         raise FileNotFoundError("weights.bin not found")
+
+
+POISON = {"poison": True}
+
+
+class PoisonEcho(EchoModel):
+    """Echo that kills its whole process, as a segfaulting kernel would, on one input."""
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        if POISON in batch:
+            os._exit(70)
+        return super().forward(batch)
+
+
+class CountingEcho(EchoModel):
+    """Echo that remembers every input it computed."""
+
+    computed: list[Any] = []
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        type(self).computed.extend(batch)
+        return super().forward(batch)

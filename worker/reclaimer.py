@@ -24,13 +24,27 @@ START = "0-0"
 
 CLAIM = """
 -- KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] min idle ms, ARGV[4] cursor,
--- ARGV[5] count. Entries deleted from the stream are acked: Redis 7 lists them apart, 6.2
--- returns them with nil fields (the worker acks those). Returns {cursor, entries, deleted}.
-local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4],
-                     'COUNT', ARGV[5])
-local deleted = r[3] or {}
-if #deleted > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(deleted)) end
-return {r[1], r[2], #deleted}
+-- ARGV[5] count. Claimed entries that were deleted from the stream are acked: Redis 7 lists
+-- their ids apart; 6.2 returns a bare nil in their place, so their ids are found among this
+-- consumer's pending entries in the swept range. Returns {cursor, entries, deleted count}.
+local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
+local r = redis.call('XAUTOCLAIM', stream, group, consumer, ARGV[3], ARGV[4], 'COUNT', ARGV[5])
+local entries, deleted = {}, r[3]
+for _, entry in ipairs(r[2]) do
+  if entry then entries[#entries + 1] = entry end
+end
+if not deleted then
+  deleted = {}
+  if #entries < #r[2] then
+    local last = (r[1] == '0-0') and '+' or ('(' .. r[1])
+    local swept = redis.call('XPENDING', stream, group, ARGV[4], last, 10 * ARGV[5], consumer)
+    for _, row in ipairs(swept) do
+      if #redis.call('XRANGE', stream, row[1], row[1]) == 0 then deleted[#deleted + 1] = row[1] end
+    end
+  end
+end
+if #deleted > 0 then redis.call('XACK', stream, group, unpack(deleted)) end
+return {r[1], entries, #deleted}
 """
 
 REMOVE_IDLE_CONSUMERS = """

@@ -44,11 +44,13 @@ class RedisServer:
     """A redis-server child process with AOF on and `noeviction`, so queued work is kept."""
 
     def __init__(self, data_dir: Path, binary: Path | None = None, port: int | None = None,
-                 appendonly: bool = True) -> None:
+                 appendonly: bool = True, appendfsync: str = "everysec") -> None:
+        """`appendfsync="always"`: every acknowledged write survives a crash (tests use it)."""
         self.binary = binary or server_binary()
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,6 +61,7 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", self.appendfsync,
                 "--maxmemory-policy", "noeviction", "--save", "", "--daemonize", "no",
                 "--logfile", str(self.data_dir / "redis.log")]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

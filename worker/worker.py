@@ -318,8 +318,9 @@ class Worker:
                 metrics.DROPPED_REPLIES.labels(self.name).inc(len(dropped))
                 log.warning("replies.dropped_not_owner", count=len(dropped))
             for answer in answers:
-                metrics.REQUESTS.labels(self.name, answer.status).inc()
-            with self._lock:
+                if answer.entry_id not in dropped:  # answered by the consumer that claimed it
+                    metrics.REQUESTS.labels(self.name, answer.status).inc()
+            with self._lock:  # dropped ones are freed too: they are no longer ours
                 self._held.difference_update(a.entry_id for a in answers)
                 self._lock.notify_all()
 

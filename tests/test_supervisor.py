@@ -1,0 +1,155 @@
+"""`python -m worker --processes N`: restarts, signals, summed metrics; and poison input that
+crashes a worker process every time it is delivered ends in the dead-letter stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer import Client
+from producer.protocol import dead_letter_key, stream_key
+from tests.chaos import ECHO_FLAGS, ROOT, Replies, WorkerProcess, pending, report, wait_until
+from tests.plugin_models import POISON
+from worker.redis_server import free_port
+from worker.settings import load_settings
+from worker.supervisor import child_settings, settings_flags
+
+pytestmark = pytest.mark.slow
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except FileNotFoundError:
+        return []
+    return [int(child) for child in text.split()]
+
+
+def kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """Children first: they run in their own sessions and would outlive the supervisor."""
+    for pid in children(process.pid):
+        os.kill(pid, signal.SIGKILL)
+    process.kill()
+    process.wait()
+
+
+def test_children_get_their_slot_names_devices_and_every_setting() -> None:
+    settings = load_settings(None, model="echo", consumer="host-1", devices="cuda:0, cuda:1",
+                             bucket_boundaries=[8, 16], model_options={"delay_ms": 1})
+    first, second = child_settings(settings, "redis://h:1/0")
+    assert (first.consumer, first.device, second.consumer, second.device) == (
+        "host-1-0", "cuda:0", "host-1-1", "cuda:1")
+    assert first.metrics_port == 0 and first.processes == 1 and first.devices == ""
+    from worker.cli import build_parser, setting_overrides
+
+    args = build_parser().parse_args(["run", *settings_flags(first)])
+    assert load_settings(None, **setting_overrides(args)).model_dump() == first.model_dump()
+    assert len(child_settings(load_settings(None, processes=3), "redis://h:1/0")) == 3
+
+
+def test_supervisor_restarts_a_killed_child_and_sums_their_metrics(
+        redis_url: str, r: redis.Redis, tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "supervisor.log").open("wb")
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "worker", "--processes", "2", "--redis-url", redis_url,
+         "--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--consumer", "sup",
+         "--log-format", "json", "--device", "cpu", *ECHO_FLAGS],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=log)
+    def consumers() -> set[str]:
+        try:
+            return {c["name"].decode() for c in r.xinfo_consumers(stream, "workers")}
+        except redis.ResponseError:  # no group yet
+            return set()
+
+    stream = stream_key("redbatch", "echo")
+    try:
+        wait_until(lambda: consumers() == {"sup-0", "sup-1"}, 90, "both children reading")
+        client = Client(redis_url, "echo")
+        reply_key = client.new_reply_key()
+        ids = client.submit_many(({"i": i} for i in range(600)), reply_to=reply_key)
+        replies = Replies(redis_url, reply_key)
+        wait_until(lambda: replies.poll() >= 0 and len(replies.counts) >= 100, 90, "load")
+        victim = children(supervisor.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: len(children(supervisor.pid)) == 2
+                   and victim not in children(supervisor.pid), 30, "a replacement child")
+        replies.wait_for(ids, 90)
+        replies.linger(0.5)
+        assert replies.duplicates == 0 and not pending(r, stream)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        ok_line = next(line for line in metrics.decode().splitlines()
+                       if line.startswith('redbatch_requests_total{model="echo",status="ok"}'))
+        shares = Counter(replies.envelopes[i]["meta"]["worker"] for i in ids)
+        counted = float(ok_line.split()[-1])
+        # Both children's counts, the killed one's included (less what it answered but had
+        # not counted yet when it died: at most one batch).
+        assert len(ids) - 16 <= counted <= len(ids) and set(shares) == {"sup-0", "sup-1"}
+        assert consumers() == {"sup-0", "sup-1"}  # the replacement kept its slot's name
+        grandchildren = children(supervisor.pid)
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(30) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in grandchildren)
+    finally:
+        kill_tree(supervisor)
+        log.close()
+
+
+def test_poison_input_ends_in_the_dead_letter_stream(redis_url: str, r: redis.Redis,
+                                                     tmp_path: Path) -> None:
+    max_deliveries = 2
+    supervisor = WorkerProcess(redis_url, tmp_path / "poison.log", *ECHO_FLAGS,
+                               "--model", "tests.plugin_models:PoisonEcho", "--processes", "2",
+                               "--consumer", "p", "--max-deliveries", str(max_deliveries),
+                               "--claim-idle-ms", "600000")  # recovery by the successor only
+    stream = stream_key("redbatch", "poisonecho")
+    try:
+        client = Client(redis_url, "poisonecho")
+        reply_key = client.new_reply_key()
+        payloads = [{"i": i} for i in range(100)]
+        payloads.insert(50, POISON)
+        started = time.monotonic()
+        ids = client.submit_many(payloads, reply_to=reply_key)
+        replies = Replies(redis_url, reply_key)
+        replies.wait_for(ids, 120)
+        recovered_s = time.monotonic() - started
+        replies.linger(0.5)
+        poison_reply = replies.envelopes[ids[50]]
+        assert poison_reply["error"]["code"] == "dead_letter"
+        assert all(replies.envelopes[i]["ok"] for i in ids[:50] + ids[51:])
+        assert replies.duplicates == 0 and not pending(r, stream)
+        [(_, dead)] = r.xrange(dead_letter_key("redbatch", "poisonecho"))
+        assert int(dead[b"dead:deliveries"]) == max_deliveries + 1
+        assert dead[b"id"].decode() == ids[50]
+        crashes = supervisor.log.read_text().count('"event": "child.died"')
+        assert crashes == max_deliveries
+        supervisor.signal(signal.SIGTERM)
+        assert supervisor.process.wait(30) == 0
+        report("poison", redis=r.info()["redis_version"], sent=len(ids),
+               answered=len(replies.counts), duplicates=replies.duplicates,
+               pending_left=len(pending(r, stream)), worker_crashes=crashes,
+               dead_lettered=1, max_deliveries=max_deliveries, all_answered_after_s=recovered_s)
+        cli = [sys.executable, "-m", "worker", "dead-letters", "--redis-url", redis_url,
+               "--model", "tests.plugin_models:PoisonEcho"]
+        listed = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        [line] = listed.stdout.splitlines()
+        assert json.loads(line)["request_id"] == ids[50], listed.stderr
+        requeued = subprocess.run([*cli, "--requeue-all"], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=60,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert requeued.returncode == 0, requeued.stderr
+        assert r.xlen(dead_letter_key("redbatch", "poisonecho")) == 0
+        assert r.xrevrange(stream, count=1)[0][1][b"id"].decode() == ids[50]
+    finally:
+        kill_tree(supervisor.process)
