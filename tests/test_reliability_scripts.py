@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from producer import AsyncClient, Client, Overloaded
-from producer.protocol import decode_envelope, dead_letter_key, entry_fields, stream_key
+from producer.protocol import dead_letter_key, decode_envelope, entry_fields, stream_key
 from worker.deadletter import DeadLetters, list_dead_letters, requeue_dead_letters
 from worker.maintenance import Maintenance
 from worker.reclaimer import Reclaimer
