@@ -42,8 +42,7 @@ for i = 3, #KEYS do
     redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', 'dead:entry_id', entry_id,
                'dead:deliveries', deliveries, 'dead:error', reason, 'dead:consumer', consumer,
                unpack(fields))
-    if KEYS[i] ~= '' then
-      redis.call('LPUSH', KEYS[i], envelope)
+    if KEYS[i] ~= '' and type(redis.pcall('LPUSH', KEYS[i], envelope)) == 'number' then
       redis.call('PEXPIRE', KEYS[i], ttl)
     end
     redis.call('XACK', stream, group, entry_id)

@@ -12,25 +12,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
+import structlog
+
+from worker import metrics
+
+log = structlog.get_logger("redbatch.replier")
 
 REPLY_AND_ACK = """
 -- KEYS[1] stream, KEYS[2..n+1] reply keys
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] ttl ms, then n pairs: entry id, envelope
--- Returns the entry ids that were not answered because this consumer no longer owns them.
+-- Returns {ids not answered because this consumer no longer owns them, ids whose reply key
+-- holds another type than a list (a producer's mistake: acked all the same, or they would
+-- come back forever)}.
 local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
-local dropped = {}
+local dropped, undeliverable = {}, {}
 for i = 2, #KEYS do
   local entry_id = ARGV[2 * i]
   local owned = redis.call('XPENDING', stream, group, entry_id, entry_id, 1, consumer)
   if #owned == 1 then
-    redis.call('LPUSH', KEYS[i], ARGV[2 * i + 1])
-    redis.call('PEXPIRE', KEYS[i], ttl)
+    if type(redis.pcall('LPUSH', KEYS[i], ARGV[2 * i + 1])) == 'number' then
+      redis.call('PEXPIRE', KEYS[i], ttl)
+    else
+      undeliverable[#undeliverable + 1] = entry_id
+    end
     redis.call('XACK', stream, group, entry_id)
   else
     dropped[#dropped + 1] = entry_id
   end
 end
-return dropped
+return {dropped, undeliverable}
 """
 
 
@@ -50,12 +60,13 @@ class Replier:
     """Writes answers for one stream on behalf of one consumer."""
 
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
-                 ttl_ms: int) -> None:
+                 ttl_ms: int, model_name: str = "") -> None:
         self.client = client
         self.stream = stream
         self.group = group
         self.consumer = consumer
         self.ttl_ms = ttl_ms
+        self.model_name = model_name or stream.rpartition(":")[2]
         self._script = client.register_script(REPLY_AND_ACK)
 
     def send(self, replies: Sequence[Reply]) -> list[str]:
@@ -67,14 +78,22 @@ class Replier:
         for r in replies:
             args += (r.entry_id, r.envelope)
         try:
-            dropped = self._script(keys=keys, args=args)
+            dropped, undeliverable = self._script(keys=keys, args=args)
         except redis.ResponseError as exc:
             if not is_nogroup(exc):
                 raise
             return [r.entry_id for r in replies]  # Redis lost the group: none of them is ours
-        return [d.decode() if isinstance(d, bytes) else d for d in dropped]
+        if undeliverable:
+            metrics.UNANSWERABLE.labels(self.model_name, "reply_key_type").inc(len(undeliverable))
+            log.warning("replies.undeliverable", reason="reply key is not a list",
+                        entry_ids=[_text(u) for u in undeliverable])
+        return [_text(d) for d in dropped]
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         """Ack entries that cannot be answered (no usable id, or deleted from the stream)."""
         if entry_ids:
             self.client.xack(self.stream, self.group, *entry_ids)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

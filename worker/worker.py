@@ -246,18 +246,20 @@ class Worker:
             self._answers.put(self._compute(batch))
 
     def _next_batch(self) -> Batch | None:
-        """Block until a batch is due; None once reading has stopped and nothing is left."""
+        """Block until a batch is due; None once reading has stopped and nothing is left, or
+        the shutdown grace has passed (what is left stays pending for others)."""
         with self._lock:
-            while True:
+            while time.monotonic() < self._give_up_at:
                 # Nothing more can arrive: don't wait for a batch to fill.
                 flush = not self._reading or len(self._held) >= self.settings.max_inflight
                 batch = self.batcher.next_batch(time.monotonic(), int(time.time() * 1000), flush)
                 if batch is not None:
                     return batch
-                if not self._reading or time.monotonic() >= self._give_up_at:
+                if not self._reading:
                     return None
                 until_ready = self.batcher.seconds_until_ready(time.monotonic())
                 self._lock.wait(0.5 if until_ready is None else until_ready)
+            return None
 
     def _compute(self, batch: Batch) -> list[Answer]:
         answers = [error_answer(p.entry_id, p.request, ErrorCode.DEADLINE_EXCEEDED,
