@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from producer.protocol import decode_envelope
@@ -124,6 +125,15 @@ def request_ids(r: redis.Redis, stream: str, entry_ids: Sequence[str]) -> list[s
     for entry_id in entry_ids:
         pipe.xrange(stream, entry_id, entry_id)
     return [found[0][1][b"id"].decode() for found in pipe.execute() if found]
+
+
+def heaviest_on_redis_7_only(r: redis.Redis) -> None:
+    """The slowest scenarios (several process starts each) run once, on Redis 7; their
+    version-specific paths (XAUTOCLAIM, AOF, NOGROUP) are covered on 6.2 by the others."""
+    from tests.conftest import BINARIES
+
+    if len(BINARIES) > 1 and int(r.info()["redis_version"].split(".")[0]) < 7:
+        pytest.skip("heavy scenario: Redis 7 only, to keep the suite short")
 
 
 def report(scenario: str, **figures: Any) -> None:

@@ -209,3 +209,15 @@ def test_backlog_limit_without_any_worker_counts_the_whole_stream(redis_url: str
     client.submit_many([{"n": 1}, {"n": 2}])
     with pytest.raises(Overloaded):
         client.submit({"n": 3})
+
+
+def test_producer_cli_reports_overload(redis_url: str, group: redis.Redis, tmp_path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from producer.cli import main
+
+    lines = tmp_path / "in.txt"
+    lines.write_text("one\ntwo\nthree\n")
+    code = main([str(lines), "--model", "echo", "--redis-url", redis_url, "--max-backlog", "2",
+                 "--timeout", "1", "--no-progress"])
+    assert code == 3 and "overloaded" in capsys.readouterr().err
+    assert group.xlen(STREAM) == 0

@@ -18,7 +18,16 @@ import redis
 
 from producer import Client
 from producer.protocol import dead_letter_key, stream_key
-from tests.chaos import ECHO_FLAGS, ROOT, Replies, WorkerProcess, pending, report, wait_until
+from tests.chaos import (
+    ECHO_FLAGS,
+    ROOT,
+    Replies,
+    WorkerProcess,
+    heaviest_on_redis_7_only,
+    pending,
+    report,
+    wait_until,
+)
 from tests.plugin_models import POISON
 from worker.redis_server import free_port
 from worker.settings import load_settings
@@ -59,6 +68,7 @@ def test_children_get_their_slot_names_devices_and_every_setting() -> None:
 
 def test_supervisor_restarts_a_killed_child_and_sums_their_metrics(
         redis_url: str, r: redis.Redis, tmp_path: Path) -> None:
+    heaviest_on_redis_7_only(r)
     port = free_port()
     log = (tmp_path / "supervisor.log").open("wb")
     supervisor = subprocess.Popen(
@@ -95,6 +105,7 @@ def test_supervisor_restarts_a_killed_child_and_sums_their_metrics(
         # Both children's counts, the killed one's included (less what it answered but had
         # not counted yet when it died: at most one batch).
         assert len(ids) - 16 <= counted <= len(ids) and set(shares) == {"sup-0", "sup-1"}
+        assert 'redbatch_backlog{model="echo"}' in metrics.decode()
         assert consumers() == {"sup-0", "sup-1"}  # the replacement kept its slot's name
         grandchildren = children(supervisor.pid)
         supervisor.send_signal(signal.SIGTERM)
@@ -107,6 +118,7 @@ def test_supervisor_restarts_a_killed_child_and_sums_their_metrics(
 
 def test_poison_input_ends_in_the_dead_letter_stream(redis_url: str, r: redis.Redis,
                                                      tmp_path: Path) -> None:
+    heaviest_on_redis_7_only(r)
     max_deliveries = 2
     supervisor = WorkerProcess(redis_url, tmp_path / "poison.log", *ECHO_FLAGS,
                                "--model", "tests.plugin_models:PoisonEcho", "--processes", "2",

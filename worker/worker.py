@@ -315,7 +315,7 @@ class Worker:
     def _write_replies(self) -> None:
         while (answers := self._next_answers()) is not None:
             replies = [self._encode(answer) for answer in answers]
-            dropped = self._retry(self.replier.send, replies)
+            dropped = set(self._retry(self.replier.send, replies))
             if dropped:
                 metrics.DROPPED_REPLIES.labels(self.name).inc(len(dropped))
                 log.warning("replies.dropped_not_owner", count=len(dropped))
