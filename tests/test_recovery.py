@@ -139,3 +139,12 @@ def test_stop_gives_up_on_a_dead_redis_after_the_grace(tmp_path: Path,
         assert not any(r.exists(client.reply_key(i)) for i in request_ids(r, STREAM, left))
     finally:
         server.stop()
+
+
+def test_worker_recreates_the_group_after_redis_lost_it(redis_url: str, r: redis.Redis) -> None:
+    client = Client(redis_url, "echo")
+    with running_worker(redis_url, block_ms=200):
+        assert client.infer({"n": 1}, timeout=10) == {"n": 1}
+        r.flushall()  # as after a restart without persistence: stream and group gone
+        assert client.infer({"n": 2}, timeout=10) == {"n": 2}
+        assert r.xinfo_groups(STREAM)[0]["name"] == b"workers"

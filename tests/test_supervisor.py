@@ -66,6 +66,16 @@ def test_children_get_their_slot_names_devices_and_every_setting() -> None:
     assert len(child_settings(load_settings(None, processes=3), "redis://h:1/0")) == 3
 
 
+def test_supervisor_gives_up_when_children_cannot_start(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "worker", "--processes", "2", "--model", "echo",
+         "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--metrics-port", "0"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 2
+    assert "cannot reach Redis" in result.stderr and "child.cannot_start" in result.stderr
+
+
 def test_supervisor_restarts_a_killed_child_and_sums_their_metrics(
         redis_url: str, r: redis.Redis, tmp_path: Path) -> None:
     heaviest_on_redis_7_only(r)

@@ -19,8 +19,7 @@ import structlog
 from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry
 from worker import metrics
-from worker.replier import is_nogroup
-from worker.stream import Entry, Fields
+from worker.stream import Entry, Fields, is_group_lost
 
 log = structlog.get_logger("redbatch.deadletter")
 DEAD_LETTER_MAXLEN = 100_000  # approximate cap on the dead-letter stream
@@ -142,7 +141,7 @@ class DeadLetters:
         try:
             counts = self.delivery_counts([e.id for e in redelivered])
         except redis.ResponseError as exc:
-            if not is_nogroup(exc):
+            if not is_group_lost(exc):
                 raise
             return []  # the group is gone with its pending entries: none of these is ours
         poison = [e for e in redelivered

@@ -16,8 +16,7 @@ import redis
 import structlog
 
 from worker import metrics
-from worker.replier import is_nogroup
-from worker.stream import Entry
+from worker.stream import Entry, is_group_lost
 
 log = structlog.get_logger("redbatch.reclaimer")
 START = "0-0"
@@ -86,7 +85,7 @@ class Reclaimer:
             result: Any = self._claim(keys=[self.stream], args=[
                 self.group, self.consumer, self.claim_idle_ms, self.cursor, count])
         except redis.ResponseError as exc:
-            if not is_nogroup(exc):
+            if not is_group_lost(exc):
                 raise
             self._restart_sweep()  # the reader recreates the group
             return []
@@ -108,7 +107,7 @@ class Reclaimer:
             removed: Any = self._remove_idle(keys=[self.stream],
                                              args=[self.group, idle_ms, self.consumer])
         except redis.ResponseError as exc:
-            if not is_nogroup(exc):
+            if not is_group_lost(exc):
                 raise
             return []
         names = [_text(name) for name in removed]

@@ -15,6 +15,7 @@ import redis
 import structlog
 
 from worker import metrics
+from worker.stream import is_group_lost
 
 log = structlog.get_logger("redbatch.replier")
 
@@ -42,11 +43,6 @@ for i = 2, #KEYS do
 end
 return {dropped, undeliverable}
 """
-
-
-def is_nogroup(exc: redis.ResponseError) -> bool:
-    """The stream or its group is gone (Redis restarted without persistence, or flushed)."""
-    return "NOGROUP" in str(exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +76,7 @@ class Replier:
         try:
             dropped, undeliverable = self._script(keys=keys, args=args)
         except redis.ResponseError as exc:
-            if not is_nogroup(exc):
+            if not is_group_lost(exc):
                 raise
             return [r.entry_id for r in replies]  # Redis lost the group: none of them is ours
         if undeliverable:

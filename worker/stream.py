@@ -17,6 +17,13 @@ import redis
 Fields = dict[bytes, bytes]
 
 
+def is_group_lost(exc: redis.ResponseError) -> bool:
+    """The stream or its group is gone (Redis restarted without persistence, or flushed);
+    Redis 7 also ends a blocked read on a deleted stream with UNBLOCKED."""
+    message = str(exc)  # inside a script, prefixed with "Error running script ..."
+    return "NOGROUP" in message or message.startswith("UNBLOCKED")
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     id: str
@@ -45,7 +52,7 @@ class StreamReader:
         try:
             return self._read(count, block_ms)
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not is_group_lost(exc):
                 raise
             self.ensure_group()  # Redis restarted without persistence, or was flushed
             return []
