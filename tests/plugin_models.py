@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from worker.models.base import Prepared
 from worker.models.echo import EchoModel
 
 
@@ -59,3 +62,69 @@ class CountingEcho(EchoModel):
     def forward(self, batch: list[Any]) -> list[Any]:
         type(self).computed.extend(batch)
         return super().forward(batch)
+
+
+class PressureModel(EchoModel):
+    """Echo that runs out of memory, as a GPU would, on a batch over `max_padded_tokens`.
+
+    Set `max_padded_tokens` to None to take the pressure away.
+    """
+
+    def __init__(self, max_padded_tokens: int | None = None) -> None:
+        super().__init__()
+        self.max_padded_tokens = max_padded_tokens
+        self.batch_tokens: list[int] = []  # padded tokens of every batch that ran
+
+    def collate(self, items: Sequence[Prepared]) -> tuple[int, list[Any]]:
+        return len(items) * max(item.length for item in items), [item.data for item in items]
+
+    def forward(self, batch: tuple[int, list[Any]]) -> list[Any]:
+        tokens, payloads = batch
+        if self.max_padded_tokens is not None and tokens > self.max_padded_tokens:
+            raise torch.OutOfMemoryError(f"{tokens} padded tokens > {self.max_padded_tokens}")
+        self.batch_tokens.append(tokens)
+        return payloads
+
+
+class RecordingModel(EchoModel):
+    """Echo that records the order of its steps, to see the double buffering."""
+
+    def __init__(self, delay_ms: float = 0.0) -> None:
+        super().__init__(delay_ms)
+        self.steps: list[tuple[str, int]] = []  # (step, first payload of the batch)
+        self._lock = threading.Lock()
+
+    def _record(self, step: str, items: Sequence[Prepared]) -> None:
+        with self._lock:
+            self.steps.append((step, items[0].data["i"]))
+
+    def collate(self, items: Sequence[Prepared]) -> list[Any]:
+        self._record("collate", items)
+        return super().collate(items)
+
+    def postprocess(self, output: list[Any], items: Sequence[Prepared]) -> list[Any]:
+        self._record("postprocess", items)
+        return output
+
+
+class MatmulModel(EchoModel):
+    """Pure tensor work with a sizeable input copy: shows stream overlap without HF code."""
+
+    def __init__(self, dim: int = 2048, rounds: int = 30) -> None:
+        super().__init__()
+        self.dim, self.rounds = dim, rounds
+
+    def load(self, device: torch.device) -> None:
+        super().load(device)
+        self.weight = torch.randn(self.dim, self.dim, device=device) / self.dim**0.5
+
+    def collate(self, items: Sequence[Prepared]) -> torch.Tensor:
+        return torch.ones(len(items) * 64, self.dim)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.rounds):
+            batch = torch.tanh(batch @ self.weight)
+        return batch.sum(dim=1)
+
+    def postprocess(self, output: torch.Tensor, items: Sequence[Prepared]) -> list[Any]:
+        return [float(value) for value in output[:: 64].tolist()]

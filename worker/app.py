@@ -13,10 +13,20 @@ from types import FrameType
 
 import redis
 import structlog
+import torch
 
 from worker import metrics
+from worker.calibration import (
+    CalibrationError,
+    calibrate,
+    calibration_path,
+    load_calibration,
+    warm_up,
+    write_calibration,
+)
 from worker.execution import Executor, resolve_device
-from worker.models import ModelLoadError, create_model
+from worker.memory import memory_probe
+from worker.models import Model, ModelLoadError, create_model
 from worker.redis_server import RedisServer
 from worker.settings import Settings
 from worker.worker import Worker
@@ -55,7 +65,7 @@ def redis_url(settings: Settings) -> Iterator[str]:
         yield server.url
 
 
-def build_worker(settings: Settings, client: redis.Redis) -> Worker:
+def load_model(settings: Settings) -> tuple[Model, torch.device]:
     try:
         model = create_model(settings.model, settings.model_options)
         device = resolve_device(settings.device)
@@ -69,7 +79,53 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
                            f"{type(exc).__name__}: {exc}") from None
     log.info("model.loaded", model=settings.model, device=str(device),
              seconds=round(time.perf_counter() - started, 2))
-    return Worker(settings, model, Executor(model, device), client)
+    return model, device
+
+
+def load_batch_sizes(settings: Settings, device: torch.device) -> dict[int, int] | None:
+    """The calibrated batch size per bucket boundary, when this model was calibrated here."""
+    path = calibration_path(settings.calibration_dir, settings.model_name, device)
+    try:
+        sizes = load_calibration(path)
+    except CalibrationError as exc:
+        raise StartupError(str(exc)) from None
+    if sizes is None:
+        log.info("calibration.none", path=str(path), hint="python -m worker calibrate")
+    else:
+        log.info("calibration.loaded", path=str(path), batch_sizes=sizes)
+    return sizes
+
+
+def build_worker(settings: Settings, client: redis.Redis) -> Worker:
+    model, device = load_model(settings)
+    worker = Worker(settings, model, Executor(model, device), client,
+                    calibrated=load_batch_sizes(settings, device))
+    if settings.warmup:
+        warm_up(worker.runner, model, worker.batcher.boundaries)
+    return worker
+
+
+def run_calibration(settings: Settings, repeats: int) -> int:
+    """`python -m worker calibrate`: measure each bucket, write the file `run` will load."""
+    model, device = load_model(settings)
+    boundaries = settings.bucket_boundaries or list(model.default_bucket_boundaries)
+    try:
+        buckets = calibrate(Executor(model, device),
+                            memory_probe(device, settings.memory_limit_bytes), boundaries,
+                            settings.max_batch_size, settings.max_batch_tokens, repeats,
+                            settings.memory_high_watermark)
+    except CalibrationError as exc:
+        raise StartupError(str(exc)) from None
+    path = calibration_path(settings.calibration_dir, settings.model_name, device)
+    write_calibration(path, settings.model_name, device, buckets, repeats=repeats,
+                      max_batch_size=settings.max_batch_size,
+                      max_batch_tokens=settings.max_batch_tokens)
+    print(f"{'max_length':>10} {'batch_size':>10} {'stopped':>13}  items/s by batch size")
+    for b in buckets:
+        curve = " ".join(f"{size}:{value:.0f}" for size, value in b.throughput.items())
+        print(f"{b.max_length:>10} {b.batch_size:>10} {b.stopped:>13}  {curve}")
+    print(f"wrote {path}")
+    return 0
 
 
 def exit_after_grace() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from producer.protocol import Request
@@ -113,11 +113,14 @@ class Batcher:
     A bucket is ready when its next batch is full (requests or padded tokens) or its oldest
     request has waited `max_wait_s`. Among ready buckets the one holding the oldest request
     goes first, so no bucket starves; within a bucket higher priority goes first.
+    `caps`, when given, supplies each bucket's limits (the memory governor's caps).
     """
 
-    def __init__(self, boundaries: Sequence[int], limits: BatchLimits) -> None:
+    def __init__(self, boundaries: Sequence[int], limits: BatchLimits,
+                 caps: Callable[[int], BatchLimits] | None = None) -> None:
         self.boundaries = list(boundaries)
         self.limits = limits
+        self.caps = caps
         self.buckets = [Bucket() for _ in range(len(self.boundaries) + 1)]
         self._seq = 0
         self._size = 0
@@ -134,9 +137,13 @@ class Batcher:
         self._size += 1
         return index
 
-    def _is_ready(self, bucket: Bucket, now: float, flush: bool) -> bool:
+    def limits_of(self, index: int) -> BatchLimits:
+        return self.caps(index) if self.caps is not None else self.limits
+
+    def _is_ready(self, index: int, now: float, flush: bool) -> bool:
+        bucket = self.buckets[index]
         return bool(bucket.items) and (
-            flush or bucket.is_full(self.limits)
+            flush or bucket.is_full(self.limits_of(index))
             or now - bucket.oldest_read_at() >= self.limits.max_wait_s)
 
     def next_batch(self, now: float, now_ms: int, flush: bool = False) -> Batch | None:
@@ -147,11 +154,11 @@ class Batcher:
         `expired`, to be answered without compute; a batch may then have no members.
         """
         ready = [(b.oldest_read_at(), i) for i, b in enumerate(self.buckets)
-                 if self._is_ready(b, now, flush)]
+                 if self._is_ready(i, now, flush)]
         if not ready:
             return None
         _, index = min(ready)
-        taken = self.buckets[index].take(self.limits)
+        taken = self.buckets[index].take(self.limits_of(index))
         self._size -= len(taken)
         batch = Batch(index, [])
         for pending in taken:

@@ -12,7 +12,7 @@ from typing import Any
 from worker.log import configure_logging
 from worker.settings import Settings, SettingsError, load_settings
 
-COMMANDS = ("run", "demo", "dead-letters")
+COMMANDS = ("run", "demo", "dead-letters", "calibrate")
 
 
 def _is_structured(annotation: Any) -> bool:
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     dead.add_argument("--requeue", nargs="+", metavar="DEAD_LETTER_ID", default=[],
                       help="put these back on the request stream")
     dead.add_argument("--requeue-all", action="store_true", help="requeue every one listed")
+    calibrate = commands.add_parser("calibrate", help="time each bucket at growing batch sizes "
+                                    "and write the best sizes for `run` to load")
+    add_setting_flags(calibrate)
+    calibrate.add_argument("--repeats", type=int, default=3, help="timed runs per batch size")
     return parser
 
 
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         return refuse(exc)
     configure_logging(settings.log_level, settings.log_format)
-    from worker.app import StartupError, serve  # imports torch (seconds): valid settings only
+    from worker.app import StartupError, run_calibration, serve  # torch: valid settings only
 
     try:
         if args.command == "demo":
@@ -103,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(settings, args.sentences, args.count)
         if args.command == "dead-letters":
             return dead_letters(settings, args)
+        if args.command == "calibrate":
+            return run_calibration(settings, args.repeats)
         if settings.processes > 1 or settings.devices:
             from worker.supervisor import supervise
 

@@ -33,6 +33,13 @@ QUEUE_WAIT = Histogram("redbatch_queue_wait_seconds",
                        buckets=LATENCY_BUCKETS)
 COMPUTE_TIME = Histogram("redbatch_compute_seconds", "Collate + forward + postprocess per batch",
                          ["model"], buckets=LATENCY_BUCKETS)
+BATCH_CAP = Gauge("redbatch_batch_cap", "The governor's current cap per bucket",
+                  ["model", "bucket", "kind"])  # kind: requests | tokens
+MEMORY_BYTES = Gauge("redbatch_memory_bytes", "Memory as the governor last read it",
+                     ["model", "kind"])  # kind: used | limit | reserved | allocated
+OOM_EVENTS = Counter("redbatch_oom_events", "Batches that ran out of memory", ["model", "bucket"])
+OOM_SPLITS = Counter("redbatch_oom_splits", "Out-of-memory batches split in halves and retried",
+                     ["model", "bucket"])
 
 
 def serve(host: str, port: int) -> None:

@@ -46,6 +46,17 @@ class Settings(BaseSettings):
     read_count: int = Field(256, gt=0, description="most entries per XREADGROUP")
     block_ms: int = Field(1000, gt=0, description="XREADGROUP BLOCK; never 0")
 
+    memory_limit_bytes: int | None = Field(
+        None, gt=0, description="memory the governor keeps under; none: device, cgroup or RAM")
+    memory_high_watermark: float = Field(0.90, gt=0, le=1, description="cut batch caps above")
+    memory_low_watermark: float = Field(0.75, gt=0, le=1, description="grow batch caps below")
+    governor_grow_after_s: float = Field(5.0, ge=0, description="calm time per growth step")
+    governor_forgive_after_s: float = Field(
+        300.0, ge=0, description="calm time before an out-of-memory size is tried again")
+    warmup: bool = Field(True, description="run each bucket shape once before serving")
+    calibration_dir: Path = Field(Path("configs/calibration"),
+                                  description="where `calibrate` writes and `run` reads")
+
     result_ttl_ms: int = Field(3_600_000, gt=0)
 
     claim_idle_ms: int = Field(30_000, gt=0, description="claim others' entries idle this long")
@@ -70,6 +81,12 @@ class Settings(BaseSettings):
         if value is not None and any(b <= a for a, b in zip([0, *value], value, strict=False)):
             raise ValueError("must be positive and strictly increasing, e.g. [16, 32, 64]")
         return value
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> Settings:
+        if self.memory_low_watermark >= self.memory_high_watermark:
+            raise ValueError("memory_low_watermark must be below memory_high_watermark")
+        return self
 
     @model_validator(mode="after")
     def _derive_model_name(self) -> Settings:

@@ -1,12 +1,14 @@
 """The worker: three threads joined by a bucketed batcher and a reply queue.
 
     reader thread   XREADGROUP -> validate -> decode -> model.prepare -> Batcher
-    compute thread  Batcher.next_batch -> Executor.run (the model)    -> reply queue
+    compute thread  Batcher.next_batch -> BatchRunner (the model)     -> reply queue
     reply thread    encode envelopes -> Lua reply+ack                  -> frees in-flight slots
 
-Decoding and tokenising the next requests overlaps the compute of the current batch, and
-replies are written while the next batch runs. At most `max_inflight` entries are held
-between reading and answering, so other workers in the group get the rest.
+Decoding and tokenising the next requests overlaps the compute of the current batch, the
+next batch is collated and copied to the device while the current one runs, and replies
+are written while the next batch runs. At most `max_inflight` entries are held between
+reading and answering, so other workers in the group get the rest. The memory governor
+sets each bucket's batch caps; a batch that runs out of memory is split and retried.
 
 Reliability lives beside it: the reader also claims dead consumers' entries (reclaimer.py)
 and diverts poison ones (deadletter.py); a maintenance thread trims and exports the backlog
@@ -19,7 +21,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,10 +34,13 @@ from worker import metrics
 from worker.batching import Batch, Batcher, BatchLimits, Pending
 from worker.deadletter import DeadLetters
 from worker.execution import Executor
+from worker.governor import Governor, policy_from_settings
 from worker.maintenance import Maintenance
+from worker.memory import memory_probe
 from worker.models.base import Model
 from worker.reclaimer import Reclaimer
 from worker.replier import Replier, Reply
+from worker.runner import BatchRunner, Job, TooLarge
 from worker.settings import Settings
 from worker.stream import Entry, StreamReader
 
@@ -82,7 +87,9 @@ def backoff_delays(base: float = 0.05, cap: float = 2.0) -> Iterator[float]:
 
 class Worker:
     def __init__(self, settings: Settings, model: Model, executor: Executor,
-                 client: redis.Redis) -> None:
+                 client: redis.Redis, calibrated: Mapping[int, int] | None = None) -> None:
+        """`calibrated`: the best batch size per bucket boundary, from `python -m worker
+        calibrate`; it lowers max_batch_size for that bucket."""
         self.settings = settings
         self.model = model
         self.executor = executor
@@ -103,8 +110,16 @@ class Worker:
         boundaries = settings.bucket_boundaries
         if boundaries is None:
             boundaries = list(model.default_bucket_boundaries)
-        self.batcher = Batcher(boundaries, BatchLimits(
-            settings.max_batch_size, settings.max_batch_tokens, settings.max_wait_ms / 1000))
+        limits = BatchLimits(settings.max_batch_size, settings.max_batch_tokens,
+                             settings.max_wait_ms / 1000)
+        calibrated = calibrated or {}
+        sizes = {i: calibrated[b] for i, b in enumerate(boundaries) if b in calibrated}
+        self.governor = Governor(limits, len(boundaries) + 1, policy_from_settings(settings),
+                                 sizes)
+        self.runner = BatchRunner(executor, self.governor,
+                                  memory_probe(executor.device, settings.memory_limit_bytes),
+                                  self.name)
+        self.batcher = Batcher(boundaries, limits, caps=self.governor.limits)
         self._lock = threading.Condition()  # guards batcher, _held and _reading
         self._held: set[str] = set()  # entry ids read and not yet answered
         self._reading = True
@@ -242,18 +257,31 @@ class Worker:
     # --- computing ----------------------------------------------------------------------------
 
     def _compute_loop(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            self._answers.put(self._compute(batch))
+        """Double buffering: batch N+1 is staged (collated, copied) while batch N computes."""
+        running: Job | None = None
+        while True:
+            if running is None:
+                self.runner.release_if_fragmented()  # about to wait: a moment to tidy memory
+            batch = self._next_batch(block=running is None)
+            if batch is None and running is None:
+                return
+            upcoming = self.runner.stage(batch) if batch is not None else None
+            if running is not None:
+                self._answers.put(self._complete(running))
+            if upcoming is not None:
+                self.runner.launch(upcoming)
+            running = upcoming
 
-    def _next_batch(self) -> Batch | None:
-        """Block until a batch is due; None once reading has stopped and nothing is left, or
-        the shutdown grace has passed (what is left stays pending for others)."""
+    def _next_batch(self, block: bool = True) -> Batch | None:
+        """The batch that is due, waiting for one if `block`. None once reading has stopped
+        and nothing is left, or the shutdown grace has passed (what is left stays pending for
+        others); not blocking, also None when no batch is due yet."""
         with self._lock:
             while time.monotonic() < self._give_up_at:
                 # Nothing more can arrive: don't wait for a batch to fill.
                 flush = not self._reading or len(self._held) >= self.settings.max_inflight
                 batch = self.batcher.next_batch(time.monotonic(), int(time.time() * 1000), flush)
-                if batch is not None:
+                if batch is not None or not block:
                     return batch
                 if not self._reading:
                     return None
@@ -261,27 +289,30 @@ class Worker:
                 self._lock.wait(0.5 if until_ready is None else until_ready)
             return None
 
-    def _compute(self, batch: Batch) -> list[Answer]:
+    def _complete(self, job: Job) -> list[Answer]:
+        batch = job.batch
         answers = [error_answer(p.entry_id, p.request, ErrorCode.DEADLINE_EXCEEDED,
                                 "deadline passed while queued") for p in batch.expired]
         if not batch.members:
             return answers
-        started_ms = time.time() * 1000
-        clock = time.perf_counter()
         try:
-            results = self.executor.run([p.item for p in batch.members])
+            results = self.runner.finish(job)
         except Exception as exc:
             log.exception("batch.failed", bucket=batch.bucket, size=len(batch.members))
             message = f"{type(exc).__name__}: {exc}"
             return answers + [error_answer(p.entry_id, p.request, ErrorCode.MODEL_ERROR, message)
                               for p in batch.members]
-        compute_s = time.perf_counter() - clock
+        compute_s, started_ms = job.compute_s, job.started_ms
         self._observe(batch, compute_s, started_ms)
         meta = {"model": self.name, "batch_size": len(batch.members),
                 "compute_ms": round(compute_s * 1000, 3), "worker": self.settings.consumer,
                 "bucket": batch.bucket, "padded_length": batch.longest}
         for pending, result in zip(batch.members, results, strict=True):
             request = pending.request
+            if isinstance(result, TooLarge):
+                answers.append(error_answer(pending.entry_id, request, ErrorCode.TOO_LARGE,
+                                            result.message))
+                continue
             queue_ms = max(0.0, started_ms - entry_time_ms(pending.entry_id))
             answers.append(Answer(pending.entry_id, request.reply_to, request.content_type,
                                   protocol.success_envelope(request.id, result, {

@@ -25,6 +25,9 @@ class EchoModel(Model):
     def prepare(self, payload: Any, nbytes: int) -> Prepared:
         return Prepared(length=nbytes, data=payload)
 
+    def sample(self, length: int) -> Prepared:
+        return Prepared(length=length, data="x" * length)
+
     def collate(self, items: Sequence[Prepared]) -> list[Any]:
         return [item.data for item in items]
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from worker.models.base import InvalidInput, Model, Prepared
 
 MAX_SEQ_LENGTH = 256
+FILLER_TOKEN_ID = 2023  # "this": any ordinary word piece costs the same to compute
 
 
 def bundled_model_path() -> Path:
@@ -49,6 +50,13 @@ class MiniLMModel(Model):
             raise InvalidInput('payload must be an object {"text": <string>}')
         ids = self.tokenizer.encode(payload["text"]).ids
         return Prepared(length=len(ids), data=ids)
+
+    def sample(self, length: int) -> Prepared:
+        """[CLS] filler [SEP], as a tokenised text of `length` tokens would be."""
+        length = max(2, min(length, self.max_seq_length))
+        ids = [self.tokenizer.token_to_id("[CLS]"), *[FILLER_TOKEN_ID] * (length - 2),
+               self.tokenizer.token_to_id("[SEP]")]
+        return Prepared(length=length, data=ids)
 
     def collate(self, items: Sequence[Prepared]) -> dict[str, torch.Tensor]:
         longest = max(item.length for item in items)

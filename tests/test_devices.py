@@ -1,0 +1,89 @@
+"""Streams, events and staging buffers: their logic on CPU; their real effect on CUDA only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.plugin_models import MatmulModel
+from worker.devices import Lanes, Marker, PinnedStaging
+from worker.execution import Executor, resolve_device
+from worker.models import create_model
+from worker.models.base import Prepared
+
+CPU = resolve_device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_staging_buffers_are_reused_per_key_in_two_turns() -> None:
+    staging = PinnedStaging(pin=False)
+    a = staging.hold("k", torch.arange(6).view(2, 3))
+    b = staging.hold("k", torch.arange(6).view(2, 3) + 10)
+    staging.release(Marker(None))
+    assert a.tolist() == [[0, 1, 2], [3, 4, 5]] and b[0, 0] == 10  # two slots: no overwrite
+    c = staging.hold("k", torch.ones(1, 2, dtype=torch.long))  # smaller: back in slot one
+    assert c.data_ptr() == a.data_ptr() and c.shape == (1, 2)
+    assert staging.allocations == 2
+    staging.hold("k", torch.ones(4, 4, dtype=torch.long))  # larger than slot two: it grows
+    staging.hold("other", torch.ones(1))
+    assert staging.allocations == 4
+
+
+def test_on_cpu_lanes_are_no_ops_with_host_timestamps() -> None:
+    lanes = Lanes(CPU)
+    assert lanes.copy_stream is None and lanes.compute_stream is None
+    with lanes.copying():
+        start = lanes.mark()
+    with lanes.computing():
+        end = lanes.mark()
+    start.make_wait(lanes.compute_stream)
+    end.synchronize()
+    assert end.done() and start.ms_until(end) >= 0
+
+
+def test_executor_steps_run_on_cpu_and_report_a_timeline() -> None:
+    model = create_model("echo", {})
+    model.load(CPU)
+    executor = Executor(model, CPU)
+    items = [Prepared(3, "abc"), Prepared(1, "d")]
+    staged = executor.stage(items, bucket=0)
+    launched = executor.launch(staged)
+    assert executor.finish(launched) == ["abc", "d"]
+    timeline = launched.timeline_ms()
+    assert 0 <= timeline["copy_end"] <= timeline["compute_start"] <= timeline["compute_end"]
+    assert executor.run(items) == ["abc", "d"]
+
+
+@needs_cuda
+def test_cuda_batches_are_copied_from_reused_pinned_buffers() -> None:
+    device = torch.device("cuda")
+    model = create_model("minilm", {})
+    model.load(device)
+    executor = Executor(model, device, timing=True)
+    items = [model.sample(16), model.sample(12)]
+    first = executor.run(items, bucket=0)
+    allocations = executor.staging.allocations
+    second = executor.run(items, bucket=0)
+    assert executor.staging.allocations == allocations  # reused, not allocated per batch
+    assert torch.allclose(torch.tensor(first[0]["embedding"]),
+                          torch.tensor(second[0]["embedding"]), atol=1e-5)
+    slot = executor.staging._slots[(0, 0)][0]
+    assert slot.buffer is not None and slot.buffer.is_pinned()
+
+
+@needs_cuda
+def test_cuda_copy_of_the_next_batch_overlaps_the_current_compute() -> None:
+    device = torch.device("cuda")
+    model = MatmulModel(dim=4096, rounds=50)
+    model.load(device)
+    executor = Executor(model, device, timing=True)
+    big = [Prepared(1, None)] * 64  # 4096 x 4096 floats: 64 MiB to copy
+    executor.run(big, bucket=4)  # warm up
+    current = executor.launch(executor.stage(big, bucket=4))
+    upcoming = executor.stage(big, bucket=4)  # while `current` computes
+    executor.finish(current)
+    following = executor.launch(upcoming)
+    executor.finish(following)
+    origin = current.staged.copy_started
+    copy_end = origin.ms_until(upcoming.copied)
+    assert copy_end < origin.ms_until(current.done)  # copied before the current batch ended

@@ -1,0 +1,70 @@
+"""End to end through Redis: a model that runs out of memory over N padded tokens.
+
+Every request is answered correctly (OOM batches are split, only an input too large alone
+fails), the bucket's caps drop to N or below, and they grow back once the pressure is gone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import redis
+
+from producer import Client
+from tests.plugin_models import PressureModel
+from worker.worker import Worker
+
+N = 100  # padded tokens a batch may hold while under pressure
+PAYLOAD_BYTES = 30  # the echo length of each small payload (msgpack)
+
+
+def payload(i: int, pad: int = 17) -> dict[str, object]:
+    return {"i": i, "pad": "x" * pad}
+
+
+def collect(client: Client, ids: list[str]) -> list[dict]:
+    return [client.wait(request_id, timeout=30) for request_id in ids]
+
+
+def test_oom_batches_split_caps_drop_and_recover(redis_url: str, r: redis.Redis,
+                                                 worker_factory) -> None:
+    client = Client(redis_url, "pressuremodel")
+    ids = client.submit_many(payload(i) for i in range(48))  # queued before the worker starts
+    too_large = client.submit(payload(-1, pad=200))
+    settings = dict(model="tests.plugin_models:PressureModel",
+                    model_options={"max_padded_tokens": N}, bucket_boundaries=[64],
+                    max_batch_size=16, max_batch_tokens=480, max_wait_ms=20,
+                    memory_limit_bytes=1 << 40, governor_grow_after_s=60)
+    with worker_factory(**settings) as worker:
+        worker: Worker
+        model = worker.model
+        assert isinstance(model, PressureModel)
+        model.max_padded_tokens = N  # the model instance is shared across the session
+        model.batch_tokens.clear()
+        try:
+            envelopes = collect(client, ids)
+            assert [e["result"] for e in envelopes] == [payload(i) for i in range(48)]
+            refused = client.wait(too_large, timeout=30)
+            assert refused["ok"] is False and refused["error"]["code"] == "too_large"
+
+            runner, governor = worker.runner, worker.governor
+            under_pressure = governor.caps[0]
+            print(f"\nunder pressure: {len(ids) + 1} requests, {runner.oom_events} OOM events, "
+                  f"{runner.splits} splits, caps {governor.base[0]} -> {under_pressure}")
+            assert runner.splits >= 3 and under_pressure.tokens <= N
+            assert max(model.batch_tokens) <= N
+
+            model.max_padded_tokens = None  # the pressure is gone; be quick to notice it
+            governor.policy = replace(governor.policy, grow_after_s=0.05, forgive_after_s=0.3)
+            deadline = time.monotonic() + 30
+            while governor.caps[0] != governor.base[0] and time.monotonic() < deadline:
+                wave = client.submit_many(payload(i) for i in range(16))
+                assert all(e["ok"] for e in collect(client, wave))
+                time.sleep(0.06)
+            print(f"recovered: caps {governor.caps[0]}")
+            assert governor.caps[0] == governor.base[0]
+            wave = client.submit_many(payload(i) for i in range(16))
+            assert max(e["meta"]["batch_size"] for e in collect(client, wave)) > N // 30
+        finally:
+            model.max_padded_tokens = N

@@ -1,0 +1,180 @@
+"""Timing the model on synthetic batches: warm-up before serving, and `python -m worker calibrate`.
+
+Warm-up runs every bucket's largest allowed shape once, so the first real request pays for
+neither kernel selection nor allocator growth. Calibration times each bucket at growing
+batch sizes and keeps the size past which throughput stops growing meaningfully: bigger
+batches would only add latency and memory. Its result is a JSON file keyed by model and
+device, loaded by the worker at start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from worker.execution import Executor, is_out_of_memory
+from worker.memory import MemoryProbe
+from worker.models.base import Model, Prepared
+from worker.runner import BatchRunner
+
+log = structlog.get_logger("redbatch.calibration")
+
+PLATEAU_GAIN = 0.05  # a doubling that adds less throughput than this is not worth its latency
+KNEE_TOLERANCE = 0.10  # pick the smallest size within this of the best throughput
+
+
+class CalibrationError(Exception):
+    """A calibration file cannot be used; the message is for the user."""
+
+
+# --- the file ---------------------------------------------------------------------------------
+
+def device_key(device: torch.device) -> str:
+    """`cpu`, or `cuda-<gpu name>`: a calibration only holds for the hardware it ran on."""
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    return "cuda-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def calibration_path(directory: Path, model_name: str, device: torch.device) -> Path:
+    return directory / f"{model_name}-{device_key(device)}.json"
+
+
+def load_calibration(path: Path) -> dict[int, int] | None:
+    """Best batch size per bucket boundary, or None when the file does not exist."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return {int(b["max_length"]): int(b["batch_size"]) for b in data["buckets"]}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CalibrationError(f"calibration file {path} is malformed ({exc!r}); "
+                               "delete it or run `python -m worker calibrate` again") from None
+
+
+@dataclass(slots=True)
+class BucketCalibration:
+    max_length: int
+    batch_size: int
+    stopped: str  # why the sweep ended: plateau, memory, out_of_memory or limit
+    throughput: dict[int, float]  # batch size -> items per second
+
+
+def write_calibration(path: Path, model_name: str, device: torch.device,
+                      buckets: Sequence[BucketCalibration], **context: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"model": model_name, "device": device_key(device),
+                "created": datetime.now(UTC).isoformat(timespec="seconds"), **context,
+                "buckets": [asdict(b) for b in buckets]}
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+# --- the policy -------------------------------------------------------------------------------
+
+def knee(throughput: Mapping[int, float], tolerance: float = KNEE_TOLERANCE) -> int:
+    """The smallest batch size whose throughput is within `tolerance` of the best."""
+    best = max(throughput.values())
+    return min(size for size, value in throughput.items() if value >= (1 - tolerance) * best)
+
+
+def has_plateaued(throughput: Mapping[int, float], gain: float = PLATEAU_GAIN) -> bool:
+    """The last two growth steps each added less than `gain`."""
+    values = [throughput[size] for size in sorted(throughput)]
+    return len(values) >= 3 and all(later < (1 + gain) * earlier
+                                    for earlier, later in pairwise(values[-3:]))
+
+
+def batch_sizes(max_batch_size: int, max_batch_tokens: int, length: int) -> list[int]:
+    """1, 2, 4, ... up to both caps, ending with the largest allowed size."""
+    largest = max(1, min(max_batch_size, max_batch_tokens // length))
+    sizes = [1 << i for i in range(largest.bit_length()) if 1 << i < largest]
+    return [*sizes, largest]
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+def timed(run: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+def seconds_per_batch(run: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `repeats` runs, after one untimed run."""
+    run()
+    return statistics.median(timed(run) for _ in range(repeats))
+
+
+def calibrate_bucket(executor: Executor, memory: MemoryProbe, bucket: int, sample: Prepared,
+                     sizes: Sequence[int], repeats: int,
+                     high_watermark: float) -> BucketCalibration:
+    throughput: dict[int, float] = {}
+    stopped = "limit"
+    for size in sizes:
+        items = [sample] * size
+        memory.before_batch()
+        try:
+            seconds = seconds_per_batch(lambda: executor.run(items, bucket), repeats)  # noqa: B023
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            stopped = "out_of_memory"
+        else:
+            throughput[size] = size / seconds
+            log.info("calibrate.measured", max_length=sample.length, batch_size=size,
+                     items_per_s=round(throughput[size], 1))
+            if memory.read().fraction >= high_watermark:
+                stopped = "memory"
+            elif has_plateaued(throughput):
+                stopped = "plateau"
+        if stopped != "limit":
+            break
+    if stopped == "out_of_memory":
+        memory.release_cache()
+    if not throughput:
+        return BucketCalibration(sample.length, 1, stopped, {})
+    return BucketCalibration(sample.length, knee(throughput), stopped, throughput)
+
+
+def calibrate(executor: Executor, memory: MemoryProbe, boundaries: Sequence[int],
+              max_batch_size: int, max_batch_tokens: int, repeats: int,
+              high_watermark: float) -> list[BucketCalibration]:
+    """One calibration per bounded bucket (the open-ended last bucket has no shape)."""
+    results = []
+    for bucket, length in enumerate(boundaries):
+        sample = executor.model.sample(length)
+        if sample is None:
+            raise CalibrationError("this model has no sample(); it cannot be calibrated")
+        sizes = batch_sizes(max_batch_size, max_batch_tokens, sample.length)
+        results.append(calibrate_bucket(executor, memory, bucket, sample, sizes, repeats,
+                                        high_watermark))
+    return results
+
+
+def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> None:
+    """Run each bucket's largest allowed shape twice and log both times."""
+    started = time.perf_counter()
+    for bucket, length in enumerate(boundaries):
+        sample = model.sample(length)
+        if sample is None:
+            log.info("warmup.skipped", reason="the model has no sample()")
+            return
+        cap = runner.governor.caps[bucket]
+        items = [sample] * max(1, min(cap.requests, cap.tokens // sample.length))
+        first, second = (timed(lambda: runner.run(bucket, items))  # noqa: B023
+                         for _ in range(2))
+        log.info("warmup.bucket", bucket=bucket, max_length=sample.length, batch_size=len(items),
+                 first_ms=round(first * 1000, 1), second_ms=round(second * 1000, 1))
+    log.info("warmup.done", seconds=round(time.perf_counter() - started, 2))

@@ -1,0 +1,178 @@
+"""Running batches under the governor: memory sampled around each, OOM batches split.
+
+A batch goes through the executor's three steps (stage, launch, finish) as a Job, so the
+worker can stage the next batch while this one computes. A failure in any step is kept in
+the Job and dealt with in finish(): an out-of-memory batch frees cached memory, lowers its
+bucket's ceiling and runs again as two halves, recursively, so no request fails because of
+its batch-mates; only a request that runs out of memory alone is answered `too_large`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from worker import metrics
+from worker.batching import Batch
+from worker.execution import Executor, Launched, Staged, is_out_of_memory
+from worker.governor import Governor, MemoryReading
+from worker.memory import MemoryProbe
+from worker.models.base import Prepared
+
+log = structlog.get_logger("redbatch.runner")
+
+
+@dataclass(frozen=True, slots=True)
+class TooLarge:
+    """The result for an input that runs out of memory even in a batch of its own."""
+
+    message: str
+
+
+@dataclass(slots=True)
+class Job:
+    """One batch on its way through stage -> launch -> finish."""
+
+    batch: Batch
+    items: list[Prepared]
+    staged: Staged | None = None
+    launched: Launched | None = None
+    error: Exception | None = None
+    started_ms: float = 0.0  # Unix ms at launch
+    started_clock: float = 0.0  # perf_counter at launch
+    compute_s: float = 0.0  # launch to results, set by finish()
+
+
+def padded_tokens(items: Sequence[Prepared]) -> int:
+    return len(items) * max((item.length for item in items), default=0)
+
+
+def _without_frames(exc: Exception) -> Exception:
+    """An OOM's traceback holds the frames, and so the tensors, of the failed batch."""
+    return exc.with_traceback(None) if is_out_of_memory(exc) else exc
+
+
+class BatchRunner:
+    def __init__(self, executor: Executor, governor: Governor, memory: MemoryProbe,
+                 model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.executor = executor
+        self.governor = governor
+        self.memory = memory
+        self.model_name = model_name
+        self.clock = clock
+        self.oom_events = 0
+        self.splits = 0
+        self._publish_caps()
+
+    # --- the pipelined steps ------------------------------------------------------------------
+
+    def stage(self, batch: Batch) -> Job:
+        """Collate and start copying (runs while the previous batch computes)."""
+        job = Job(batch, [p.item for p in batch.members])
+        if job.items:
+            try:
+                job.staged = self.executor.stage(job.items, batch.bucket)
+            except Exception as exc:
+                job.error = _without_frames(exc)
+        return job
+
+    def launch(self, job: Job) -> None:
+        job.started_ms = time.time() * 1000
+        job.started_clock = time.perf_counter()
+        if job.staged is None:
+            return
+        self.memory.before_batch()
+        try:
+            job.launched = self.executor.launch(job.staged)
+        except Exception as exc:
+            job.error = _without_frames(exc)
+
+    def finish(self, job: Job) -> list[Any]:
+        """One result per member (a TooLarge for an input too large to run at all).
+
+        Raises the model's error when the batch failed for a reason other than memory.
+        """
+        try:
+            results = self._finish(job)
+        finally:
+            job.compute_s = time.perf_counter() - job.started_clock
+        return results
+
+    def _finish(self, job: Job) -> list[Any]:
+        error = job.error
+        if error is None:
+            assert job.launched is not None, "finish() before launch()"
+            try:
+                results = self.executor.finish(job.launched)
+            except Exception as exc:
+                error = _without_frames(exc)
+            else:
+                self._observe(job.batch.bucket, job.items)
+                return results
+        if not is_out_of_memory(error):
+            raise error
+        job.staged = job.launched = job.error = None  # let the failed batch's memory go
+        return self._recover(job.batch.bucket, job.items)
+
+    # --- synchronous runs and OOM recovery ----------------------------------------------------
+
+    def run(self, bucket: int, items: Sequence[Prepared]) -> list[Any]:
+        """Run a batch now, splitting it if it runs out of memory."""
+        self.memory.before_batch()
+        try:
+            results = self.executor.run(items, bucket)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+        else:
+            self._observe(bucket, items)
+            return results
+        return self._recover(bucket, items)  # outside `except`: the failed frames are gone
+
+    def _recover(self, bucket: int, items: Sequence[Prepared]) -> list[Any]:
+        self.memory.release_cache()
+        tokens = padded_tokens(items)
+        self.governor.on_out_of_memory(bucket, len(items), tokens, self.clock())
+        self.oom_events += 1
+        metrics.OOM_EVENTS.labels(self.model_name, str(bucket)).inc()
+        self._publish_caps()
+        log.warning("batch.out_of_memory", bucket=bucket, size=len(items), padded_tokens=tokens,
+                    cap=self.governor.caps[bucket])
+        if len(items) == 1:
+            return [TooLarge(f"input of length {items[0].length} does not fit in memory "
+                             "even alone")]
+        self.splits += 1
+        metrics.OOM_SPLITS.labels(self.model_name, str(bucket)).inc()
+        half = (len(items) + 1) // 2
+        return self.run(bucket, items[:half]) + self.run(bucket, items[half:])
+
+    # --- memory -------------------------------------------------------------------------------
+
+    def release_if_fragmented(self) -> None:
+        """Fragmentation guard, called when idle: give back a large unused cache."""
+        reading = self.memory.read()
+        if self.governor.should_release_cache(reading):
+            self.memory.release_cache()
+            log.info("memory.cache_released", cached_bytes=reading.cached)
+
+    def _observe(self, bucket: int, items: Sequence[Prepared]) -> None:
+        reading = self.memory.read()
+        self._publish_memory(reading)
+        if self.governor.observe(bucket, padded_tokens(items), reading, self.clock()):
+            self._publish_caps()
+            log.info("governor.caps", memory_fraction=round(reading.fraction, 3),
+                     caps=[(c.requests, c.tokens) for c in self.governor.caps])
+
+    def _publish_memory(self, reading: MemoryReading) -> None:
+        for kind, value in (("used", reading.used), ("limit", reading.limit),
+                            ("reserved", reading.reserved), ("allocated", reading.allocated)):
+            metrics.MEMORY_BYTES.labels(self.model_name, kind).set(value)
+
+    def _publish_caps(self) -> None:
+        for bucket, cap in enumerate(self.governor.caps):
+            metrics.BATCH_CAP.labels(self.model_name, str(bucket), "requests").set(cap.requests)
+            metrics.BATCH_CAP.labels(self.model_name, str(bucket), "tokens").set(cap.tokens)
