@@ -49,6 +49,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     message = str(exc)
     return isinstance(exc, RuntimeError) and (
         "can't allocate memory" in message  # the CPU allocator
+        or "CUDA error: out of memory" in message  # outside the caching allocator
         or "CUBLAS_STATUS_ALLOC_FAILED" in message)
 
 

@@ -1,0 +1,210 @@
+"""`python -m bench.gpu_check`: the GPU paths, checked on a real device in one command.
+
+Four checks, within 5 minutes on one GPU:
+  overlap     CUDA event timings: the next batch's copy happens during this batch's compute
+  governor    a ballast allocation leaves little free memory: the caps are cut, and grow back
+  oom split   a batch far too large for the memory left is split until it fits; all answered
+  throughput  MiniLM through the worker (embedded Redis) against the same model run offline
+Without a CUDA device it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from worker.batching import BatchLimits
+from worker.execution import Executor, Launched, to_device
+from worker.governor import Governor, GovernorPolicy
+from worker.memory import CudaMemory
+from worker.models import Model, create_model
+from worker.models.base import Prepared
+from worker.runner import BatchRunner, TooLarge
+
+GIB = 1 << 30
+SENTENCES = Path(__file__).resolve().parent.parent / "examples" / "sentences.txt"
+BUCKET_256 = 4  # MiniLM's bucket for 129..256 tokens
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def samples(model: Model, count: int, length: int = 256) -> list[Prepared]:
+    sample = model.sample(length)
+    assert sample is not None, "MiniLM has a sample()"
+    return [sample] * count
+
+
+def check_overlap(model: Model, device: torch.device, batches: int = 6) -> None:
+    """Stage batch k+1 while batch k computes, as the worker does; read the event timings."""
+    executor = Executor(model, device, timing=True)
+    items = samples(model, 128)
+    executor.run(items, BUCKET_256)  # warm
+    launched: list[Launched] = []
+    current = executor.launch(executor.stage(items, BUCKET_256))
+    for _ in range(batches - 1):
+        upcoming = executor.stage(items, BUCKET_256)
+        executor.finish(current)
+        launched.append(current)
+        current = executor.launch(upcoming)
+    executor.finish(current)
+    launched.append(current)
+    origin = launched[0].staged.copy_started
+    say("batch  copy start..end ms   compute start..end ms   (from the first copy)")
+    overlapped = 0
+    for k, batch in enumerate(launched):
+        copy = (origin.ms_until(batch.staged.copy_started), origin.ms_until(batch.staged.copied))
+        compute = (origin.ms_until(batch.compute_started), origin.ms_until(batch.done))
+        say(f"{k:>5}  {copy[0]:8.2f}..{copy[1]:8.2f}      {compute[0]:8.2f}..{compute[1]:8.2f}")
+        if k and copy[1] <= origin.ms_until(launched[k - 1].done):
+            overlapped += 1
+    say(f"overlap: {overlapped} of {len(launched) - 1} copies finished while the previous "
+        "batch was still computing")
+
+
+def governed_runner(model: Model, device: torch.device, limits: BatchLimits) -> BatchRunner:
+    policy = GovernorPolicy(grow_after_s=0.0, forgive_after_s=0.0)
+    governor = Governor(limits, BUCKET_256 + 2, policy)
+    return BatchRunner(Executor(model, device), governor, CudaMemory(device), "gpu_check")
+
+
+def ballast_leaving(device: torch.device, free_bytes: int) -> torch.Tensor:
+    free, _ = torch.cuda.mem_get_info(device)
+    return torch.empty(max(0, free - free_bytes), dtype=torch.uint8, device=device)
+
+
+def caps_of(runner: BatchRunner) -> str:
+    cap = runner.governor.caps[BUCKET_256]
+    return f"{cap.requests} requests / {cap.tokens} tokens"
+
+
+def check_governor(model: Model, device: torch.device) -> None:
+    runner = governed_runner(model, device, BatchLimits(128, 32768, 0.005))
+    items = samples(model, 32)
+    runner.run(BUCKET_256, items)
+    say(f"no ballast:   memory {runner.memory.read().fraction:6.1%}, cap {caps_of(runner)}")
+    total = torch.cuda.mem_get_info(device)[1]
+    ballast = ballast_leaving(device, int(0.04 * total))
+    for _ in range(3):
+        runner.run(BUCKET_256, items)
+    say(f"ballast {ballast.numel() / GIB:.0f} GiB: memory {runner.memory.read().fraction:6.1%}, "
+        f"cap {caps_of(runner)}")
+    del ballast
+    torch.cuda.empty_cache()
+    rounds = 0
+    while runner.governor.caps != runner.governor.base and rounds < 50:
+        runner.run(BUCKET_256, items)
+        rounds += 1
+    say(f"ballast freed: memory {runner.memory.read().fraction:6.1%}, cap {caps_of(runner)} "
+        f"after {rounds} batches")
+
+
+def check_oom_split(model: Model, device: torch.device, size: int = 4096) -> None:
+    runner = governed_runner(model, device, BatchLimits(size, size * 256, 0.005))
+    runner.governor.policy = replace(runner.governor.policy, grow_after_s=3600.0)
+    ballast = ballast_leaving(device, 2 * GIB)
+    items = samples(model, size)
+    started = time.perf_counter()
+    results = runner.run(BUCKET_256, items)
+    seconds = time.perf_counter() - started
+    del ballast
+    torch.cuda.empty_cache()
+    answered = sum(1 for r in results if not isinstance(r, TooLarge))
+    say(f"batch of {size} x 256 tokens with 2 GiB free: {runner.oom_events} OOM events, "
+        f"{runner.splits} splits, {answered}/{size} answered in {seconds:.1f} s, "
+        f"cap now {caps_of(runner)}, smallest failed "
+        f"{runner.governor.ceilings[BUCKET_256].smallest_failed} tokens")
+
+
+def offline_throughput(model: Model, device: torch.device, texts: Sequence[str],
+                       batch_size: int) -> float:
+    """The same model in a plain loop: no queue, no batcher, no streams."""
+    items = [model.prepare({"text": text}, len(text)) for text in texts]
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for at in range(0, len(items), batch_size):
+            chunk = items[at:at + batch_size]
+            model.postprocess(model.forward(to_device(model.collate(chunk), device)), chunk)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(items) / (time.perf_counter() - started)
+
+
+def worker_throughput(model: Model, device: torch.device, texts: Sequence[str],
+                      batch_size: int) -> float:
+    """Through Redis and the worker, as a producer sees it: submit all, wait for all."""
+    from producer import Client
+    from worker.app import connect
+    from worker.redis_server import RedisServer
+    from worker.settings import load_settings
+    from worker.worker import Worker
+
+    with tempfile.TemporaryDirectory() as data, RedisServer(Path(data)) as server:
+        settings = load_settings(None, redis_url=server.url, model="minilm", metrics_port=0,
+                                 max_batch_size=batch_size, device=str(device))
+        worker = Worker(settings, model, Executor(model, device), connect(server.url, 1000))
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        client = Client(server.url, "minilm")
+        client.infer({"text": "warm"}, timeout=60)
+        reply_to = client.new_reply_key()
+        started = time.perf_counter()
+        client.submit_many(({"text": text} for text in texts), reply_to=reply_to)
+        envelopes = client.collect(reply_to, len(texts), timeout=120)
+        seconds = time.perf_counter() - started
+        worker.stop()
+        thread.join(timeout=30)
+    assert len(envelopes) == len(texts) and all(e["ok"] for e in envelopes), "replies missing"
+    return len(texts) / seconds
+
+
+def check_throughput(model: Model, device: torch.device, repeat: int = 50) -> None:
+    texts = SENTENCES.read_text().splitlines() * repeat
+    offline = offline_throughput(model, device, texts, 64)
+    say(f"offline loop, batches of 64:   {offline:9.0f} texts/s ({len(texts)} texts)")
+    try:
+        served = worker_throughput(model, device, texts, 64)
+    except Exception as exc:  # e.g. no redis-server binary on this machine
+        say(f"through the worker: not measured ({type(exc).__name__}: {exc})")
+        return
+    say(f"through the worker and Redis: {served:9.0f} texts/s ({served / offline:.0%} of offline)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        say("gpu_check: no CUDA device on this machine; nothing to check (exit 0)")
+        return 0
+    device = torch.device(args.device)
+    say(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    model = create_model("minilm", {})
+    model.load(device)
+    checks = [("overlap", check_overlap), ("governor", check_governor),
+              ("oom split", check_oom_split), ("throughput", check_throughput)]
+    failed = 0
+    for name, check in checks:
+        say(f"\n== {name}")
+        started = time.perf_counter()
+        try:
+            check(model, device)
+        except Exception as exc:
+            failed += 1
+            say(f"FAILED: {type(exc).__name__}: {exc}")
+        say(f"({time.perf_counter() - started:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Calibration policy, the calibrate command, and what the worker loads and warms at start."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.plugin_models import PressureModel
+from worker.app import StartupError, build_worker
+from worker.calibration import batch_sizes, has_plateaued, knee, load_calibration
+from worker.cli import main
+from worker.settings import load_settings
+
+
+def test_knee_is_the_smallest_size_near_the_best_throughput() -> None:
+    assert knee({1: 10, 2: 19, 4: 30, 8: 33, 16: 34, 32: 31}) == 8
+    assert knee({1: 10, 2: 9}) == 1
+
+
+def test_a_plateau_is_two_growth_steps_that_add_little() -> None:
+    assert has_plateaued({1: 10, 2: 20, 4: 20.5, 8: 21})
+    assert not has_plateaued({1: 10, 2: 20, 4: 30})
+    assert not has_plateaued({1: 10, 2: 10})
+
+
+def test_batch_sizes_double_up_to_both_caps() -> None:
+    assert batch_sizes(32, 8192, 256) == [1, 2, 4, 8, 16, 32]
+    assert batch_sizes(32, 8192, 512) == [1, 2, 4, 8, 16]
+    assert batch_sizes(20, 10**6, 16) == [1, 2, 4, 8, 16, 20]
+    assert batch_sizes(32, 100, 256) == [1]
+
+
+def test_calibrate_writes_the_file_the_worker_loads(tmp_path: Path, capsys) -> None:
+    code = main(["calibrate", "--model", "echo", "--device", "cpu", "--repeats", "1",
+                 "--calibration-dir", str(tmp_path), "--bucket-boundaries", "[64, 256]",
+                 "--max-batch-size", "8", "--log-level", "error"])
+    assert code == 0
+    path = tmp_path / "echo-cpu.json"
+    assert f"wrote {path}" in capsys.readouterr().out
+    document = json.loads(path.read_text())
+    assert [b["max_length"] for b in document["buckets"]] == [64, 256]
+    sizes = load_calibration(path)
+    assert sizes is not None and set(sizes) == {64, 256}
+    assert all(1 <= size <= 8 for size in sizes.values())
+
+
+def test_the_worker_starts_with_calibrated_sizes_and_warms_each_bucket(
+        tmp_path: Path, redis_url: str, r: redis.Redis) -> None:
+    (tmp_path / "pressuremodel-cpu.json").write_text(json.dumps(
+        {"buckets": [{"max_length": 64, "batch_size": 2}]}))
+    settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:PressureModel",
+                             bucket_boundaries=[64, 256], max_batch_size=4, metrics_port=0,
+                             calibration_dir=tmp_path)
+    worker = build_worker(settings, r)
+    assert [cap.requests for cap in worker.governor.base] == [2, 4, 4]
+    model = worker.model
+    assert isinstance(model, PressureModel)
+    assert model.batch_tokens == [2 * 64, 2 * 64, 4 * 256, 4 * 256]  # each shape, twice
+
+
+def test_a_malformed_calibration_file_stops_the_worker_clearly(
+        tmp_path: Path, redis_url: str, r: redis.Redis) -> None:
+    (tmp_path / "echo-cpu.json").write_text("{not json")
+    settings = load_settings(None, redis_url=redis_url, model="echo", metrics_port=0,
+                             calibration_dir=tmp_path)
+    with pytest.raises(StartupError, match="malformed"):
+        build_worker(settings, r)

@@ -1,0 +1,22 @@
+"""bench/gpu_check.py without a GPU: one clear line, exit 0 (with one, it runs the checks)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the check runs for minutes")
+def test_gpu_check_says_no_cuda_device_and_exits_0() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout
