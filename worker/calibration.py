@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -112,9 +111,9 @@ def timed(run: Callable[[], object]) -> float:
 
 
 def seconds_per_batch(run: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `repeats` runs, after one untimed run."""
+    """Fastest of `repeats` runs, after one untimed run: other load only ever adds time."""
     run()
-    return statistics.median(timed(run) for _ in range(repeats))
+    return min(timed(run) for _ in range(repeats))
 
 
 def calibrate_bucket(executor: Executor, memory: MemoryProbe, bucket: int, sample: Prepared,
