@@ -58,7 +58,7 @@ def test_the_worker_starts_with_calibrated_sizes_and_warms_each_bucket(
     assert [cap.requests for cap in worker.governor.base] == [2, 4, 4]
     model = worker.model
     assert isinstance(model, PressureModel)
-    assert model.batch_tokens == [2 * 64, 2 * 64, 4 * 256, 4 * 256]  # each shape, twice
+    assert model.batch_tokens == [2 * 64, 4 * 256]  # each bounded bucket's largest shape
 
 
 def test_a_malformed_calibration_file_stops_the_worker_clearly(

@@ -24,10 +24,11 @@ class Marker:
     the device time between them (the host time between them on CPU).
     """
 
-    __slots__ = ("event", "host_time")
+    __slots__ = ("event", "timed", "host_time")
 
-    def __init__(self, event: torch.cuda.Event | None) -> None:
+    def __init__(self, event: torch.cuda.Event | None, timed: bool = False) -> None:
         self.event = event
+        self.timed = timed  # the event was created with enable_timing
         self.host_time = time.perf_counter()
 
     def make_wait(self, stream: torch.cuda.Stream | None) -> None:
@@ -45,7 +46,8 @@ class Marker:
 
     def ms_until(self, later: Marker) -> float:
         """Time from this point to `later` (device time when both are timing events)."""
-        if self.event is not None and later.event is not None:
+        if self.timed and later.timed:
+            assert self.event is not None and later.event is not None
             return float(self.event.elapsed_time(later.event))
         return (later.host_time - self.host_time) * 1000
 
@@ -78,7 +80,7 @@ class Lanes:
             return Marker(None)
         event = torch.cuda.Event(enable_timing=self.timing)
         event.record()
-        return Marker(event)
+        return Marker(event, self.timing)
 
     def hand_to_compute(self, tensor: torch.Tensor) -> None:
         """A tensor made on the copy stream is used on the compute stream: tell the caching
