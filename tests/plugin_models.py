@@ -1,4 +1,5 @@
-"""Plugin models for the tests, loaded as `tests.plugin_models:ClassName` like a user's own."""
+"""Plugin models for the tests, loaded as `tests.plugin_models:ClassName` like a user's own,
+and an injected memory reading for the governor."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from worker.governor import MemoryReading
 from worker.models.base import Prepared
 from worker.models.echo import EchoModel
 
@@ -62,6 +64,23 @@ class CountingEcho(EchoModel):
     def forward(self, batch: list[Any]) -> list[Any]:
         type(self).computed.extend(batch)
         return super().forward(batch)
+
+
+class FixedMemory:
+    """A memory probe that reads what the test says (the real probes have their own tests)."""
+
+    def __init__(self, reading: MemoryReading) -> None:
+        self.reading = reading
+        self.released = 0
+
+    def before_batch(self) -> None:
+        pass
+
+    def read(self) -> MemoryReading:
+        return self.reading
+
+    def release_cache(self) -> None:
+        self.released += 1
 
 
 class PressureModel(EchoModel):

@@ -8,10 +8,19 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.plugin_models import PressureModel
+from tests.plugin_models import FixedMemory, PressureModel
 from worker.app import StartupError, build_worker
-from worker.calibration import batch_sizes, has_plateaued, knee, load_calibration
+from worker.calibration import (
+    batch_sizes,
+    calibrate_bucket,
+    has_plateaued,
+    knee,
+    load_calibration,
+)
 from worker.cli import main
+from worker.execution import Executor, resolve_device
+from worker.governor import MemoryReading
+from worker.models.base import Prepared
 from worker.settings import load_settings
 
 
@@ -31,6 +40,29 @@ def test_batch_sizes_double_up_to_both_caps() -> None:
     assert batch_sizes(32, 8192, 512) == [1, 2, 4, 8, 16]
     assert batch_sizes(20, 10**6, 16) == [1, 2, 4, 8, 16, 20]
     assert batch_sizes(32, 100, 256) == [1]
+
+
+def pressure_executor(max_padded_tokens: int) -> Executor:
+    model = PressureModel(max_padded_tokens)
+    model.load(resolve_device("cpu"))
+    return Executor(model, resolve_device("cpu"))
+
+
+def test_the_sweep_stops_at_out_of_memory_and_keeps_what_fitted() -> None:
+    calibration = calibrate_bucket(pressure_executor(100), FixedMemory(MemoryReading(1, 100)), 0,
+                                   Prepared(16, "x"), [1, 2, 4, 8, 16], repeats=1,
+                                   high_watermark=0.9)
+    assert calibration.stopped == "out_of_memory"  # 8 x 16 = 128 padded tokens > 100
+    assert set(calibration.throughput) == {1, 2, 4}
+    assert calibration.batch_size in {1, 2, 4}
+
+
+def test_the_sweep_stops_at_the_high_watermark_without_keeping_that_size() -> None:
+    calibration = calibrate_bucket(pressure_executor(1000), FixedMemory(MemoryReading(95, 100)),
+                                   0, Prepared(16, "x"), [1, 2, 4], repeats=1,
+                                   high_watermark=0.9)
+    assert (calibration.stopped, calibration.batch_size, calibration.throughput) == \
+        ("memory", 1, {})
 
 
 def test_calibrate_writes_the_file_the_worker_loads(tmp_path: Path, capsys) -> None:

@@ -8,6 +8,7 @@ import torch
 from tests.plugin_models import MatmulModel
 from worker.devices import Lanes, Marker, PinnedStaging
 from worker.execution import Executor, resolve_device
+from worker.memory import CudaMemory
 from worker.models import create_model
 from worker.models.base import Prepared
 
@@ -52,6 +53,20 @@ def test_executor_steps_run_on_cpu_and_report_a_timeline() -> None:
     timeline = launched.timeline_ms()
     assert 0 <= timeline["copy_end"] <= timeline["compute_start"] <= timeline["compute_end"]
     assert executor.run(items) == ["abc", "d"]
+
+
+@needs_cuda
+def test_cuda_memory_counts_a_ballast_and_releases_the_cache() -> None:
+    device = torch.device("cuda")
+    probe = CudaMemory(device)
+    probe.before_batch()
+    before = probe.read()
+    ballast = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    after = probe.read()
+    assert after.used - before.used >= 1 << 30 and after.allocated >= 1 << 30
+    del ballast
+    probe.release_cache()
+    assert probe.read().cached < 1 << 30
 
 
 @needs_cuda

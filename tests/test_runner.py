@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from producer.protocol import Request
-from tests.plugin_models import PressureModel
+from tests.plugin_models import FixedMemory, PressureModel
 from worker.batching import Batch, BatchLimits, Pending
 from worker.execution import Executor, is_out_of_memory, resolve_device
 from worker.governor import Governor, GovernorPolicy, MemoryReading
@@ -15,23 +15,6 @@ from worker.models.base import Prepared
 from worker.runner import BatchRunner, TooLarge
 
 CPU = resolve_device("cpu")
-
-
-class FixedMemory:
-    """An injected memory reading (the real ones are tested below)."""
-
-    def __init__(self, reading: MemoryReading) -> None:
-        self.reading = reading
-        self.released = 0
-
-    def before_batch(self) -> None:
-        pass
-
-    def read(self) -> MemoryReading:
-        return self.reading
-
-    def release_cache(self) -> None:
-        self.released += 1
 
 
 CALM = MemoryReading(10, 100)

@@ -131,13 +131,14 @@ def calibrate_bucket(executor: Executor, memory: MemoryProbe, bucket: int, sampl
                 raise
             stopped = "out_of_memory"
         else:
-            throughput[size] = size / seconds
             log.info("calibrate.measured", max_length=sample.length, batch_size=size,
-                     items_per_s=round(throughput[size], 1))
+                     items_per_s=round(size / seconds, 1))
             if memory.read().fraction >= high_watermark:
-                stopped = "memory"
-            elif has_plateaued(throughput):
-                stopped = "plateau"
+                stopped = "memory"  # serving this size would only make the governor cut it
+            else:
+                throughput[size] = size / seconds
+                if has_plateaued(throughput):
+                    stopped = "plateau"
         if stopped != "limit":
             break
     if stopped == "out_of_memory":
@@ -172,7 +173,11 @@ def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> Non
             return
         cap = runner.governor.caps[bucket]
         items = [sample] * max(1, min(cap.requests, cap.tokens // sample.length))
-        seconds = timed(lambda: runner.run(bucket, items))  # noqa: B023
+        try:
+            seconds = timed(lambda: runner.run(bucket, items))  # noqa: B023
+        except Exception:  # warm-up only saves time: serve anyway, the error will show again
+            log.exception("warmup.failed", bucket=bucket, max_length=sample.length)
+            continue
         log.info("warmup.bucket", bucket=bucket, max_length=sample.length, batch_size=len(items),
                  ms=round(seconds * 1000, 1))
     log.info("warmup.done", seconds=round(time.perf_counter() - started, 2))
