@@ -108,7 +108,9 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
 def run_calibration(settings: Settings, repeats: int) -> int:
     """`python -m worker calibrate`: measure each bucket, write the file `run` will load."""
     model, device = load_model(settings)
-    boundaries = settings.bucket_boundaries or list(model.default_bucket_boundaries)
+    boundaries = settings.bucket_boundaries
+    if boundaries is None:
+        boundaries = list(model.default_bucket_boundaries)
     try:
         buckets = calibrate(Executor(model, device),
                             memory_probe(device, settings.memory_limit_bytes), boundaries,

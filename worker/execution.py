@@ -120,6 +120,8 @@ class Executor:
         return self.finish(self.launch(self.stage(items, bucket)))
 
     def _copy_in(self, host_batch: Any, bucket: int) -> Any:
+        if self.device.type == "cpu":  # collate leaves tensors on the host: nothing to move
+            return host_batch
         if not self.lanes.is_cuda:
             return to_device(host_batch, self.device)
         leaf = itertools.count()
