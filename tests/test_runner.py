@@ -41,7 +41,7 @@ def test_an_oom_batch_is_split_until_every_piece_fits() -> None:
     assert runner.governor.caps[0].tokens <= 40
     assert runner.governor.caps[1] == runner.governor.base[1]  # other buckets untouched
     assert runner.governor.ceilings[0].smallest_failed == 80
-    assert runner.memory.released == 3  # type: ignore[attr-defined]
+    assert isinstance(runner.memory, FixedMemory) and runner.memory.released == 3
 
 
 def test_only_the_input_too_large_alone_gets_too_large() -> None:
@@ -102,3 +102,14 @@ def test_host_memory_reads_rss_against_the_limit(tmp_path) -> None:
     (tmp_path / "v1").write_text("536870912\n")
     assert cgroup_memory_limit((tmp_path / "v2",)) is None
     assert cgroup_memory_limit((tmp_path / "none", tmp_path / "v1")) == 512 << 20
+
+
+def test_when_idle_a_large_unused_cache_is_released() -> None:
+    runner = make_runner(None, reading=MemoryReading(50, 100, reserved=40, allocated=35))
+    memory = runner.memory
+    assert isinstance(memory, FixedMemory)
+    runner.release_if_fragmented()
+    assert memory.released == 0
+    memory.reading = MemoryReading(50, 100, reserved=40, allocated=10)
+    runner.release_if_fragmented()
+    assert memory.released == 1
