@@ -78,6 +78,8 @@ def governed_runner(model: Model, device: torch.device, limits: BatchLimits) -> 
 
 
 def ballast_leaving(device: torch.device, free_bytes: int) -> torch.Tensor:
+    """One allocation that leaves `free_bytes` free on the device (and none cached)."""
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     return torch.empty(max(0, free - free_bytes), dtype=torch.uint8, device=device)
 
