@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 import redis
+from prometheus_client import REGISTRY
 
 from producer import Client
 from tests.plugin_models import PressureModel
@@ -21,6 +22,12 @@ PAYLOAD_BYTES = 30  # the echo length of each small payload (msgpack)
 
 def payload(i: int, pad: int = 17) -> dict[str, object]:
     return {"i": i, "pad": "x" * pad}
+
+
+def sample(name: str, labels: dict[str, str]) -> float:
+    value = REGISTRY.get_sample_value(name, labels)
+    assert value is not None, f"metric {name}{labels} not exported"
+    return value
 
 
 def collect(client: Client, ids: list[str]) -> list[dict]:
@@ -54,6 +61,10 @@ def test_oom_batches_split_caps_drop_and_recover(redis_url: str, r: redis.Redis,
                   f"{runner.splits} splits, caps {governor.base[0]} -> {under_pressure}")
             assert runner.splits >= 3 and under_pressure.tokens <= N
             assert max(model.batch_tokens) <= N
+            labels = {"model": "pressuremodel", "bucket": "0"}
+            assert sample("redbatch_oom_splits_total", labels) >= runner.splits
+            assert sample("redbatch_batch_cap", {**labels, "kind": "tokens"}) == \
+                under_pressure.tokens
 
             model.max_padded_tokens = None  # the pressure is gone; be quick to notice it
             governor.policy = replace(governor.policy, grow_after_s=0.05, forgive_after_s=0.3)
