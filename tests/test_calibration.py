@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +20,12 @@ from worker.calibration import (
     knee,
     load_calibration,
 )
-from worker.cli import main
 from worker.execution import Executor, resolve_device
 from worker.governor import MemoryReading
 from worker.models.base import Prepared
 from worker.settings import load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_knee_is_the_smallest_size_near_the_best_throughput() -> None:
@@ -65,13 +69,16 @@ def test_the_sweep_stops_at_the_high_watermark_without_keeping_that_size() -> No
         ("memory", 1, {})
 
 
-def test_calibrate_writes_the_file_the_worker_loads(tmp_path: Path, capsys) -> None:
-    code = main(["calibrate", "--model", "echo", "--device", "cpu", "--repeats", "1",
-                 "--calibration-dir", str(tmp_path), "--bucket-boundaries", "[64, 256]",
-                 "--max-batch-size", "8", "--log-level", "error"])
-    assert code == 0
+def test_calibrate_writes_the_file_the_worker_loads(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "calibrate", "--model", "echo", "--device", "cpu",
+         "--repeats", "1", "--calibration-dir", str(tmp_path), "--bucket-boundaries", "[64, 256]",
+         "--max-batch-size", "8", "--log-level", "error"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=120)
+    assert done.returncode == 0, done.stderr
     path = tmp_path / "echo-cpu.json"
-    assert f"wrote {path}" in capsys.readouterr().out
+    assert f"wrote {path}" in done.stdout
     document = json.loads(path.read_text())
     assert [b["max_length"] for b in document["buckets"]] == [64, 256]
     sizes = load_calibration(path)

@@ -59,7 +59,7 @@ class Model(ABC):
 
     @abstractmethod
     def postprocess(self, output: Any, items: Sequence[Prepared]) -> list[Any]:
-        """One serialisable result per item, in order. Tensors in `output` are on the host."""
+        """One serialisable result per item, in order (on CUDA, `output` is already on the host)."""
 
     def sample(self, length: int) -> Prepared | None:
         """A synthetic input of about `length` for warm-up and calibration; None: no warm-up."""
