@@ -43,6 +43,11 @@ def dead_letter_key(namespace: str, model: str) -> str:
     return f"{namespace}:dead:{model}"
 
 
+def answered_key(namespace: str, model: str) -> str:
+    """A counter of the replies written for a model, by every worker (throughput, drain time)."""
+    return f"{namespace}:answered:{model}"
+
+
 # --- payload and envelope codecs -------------------------------------------------------------
 
 

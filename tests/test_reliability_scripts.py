@@ -123,7 +123,7 @@ def test_replier_drops_answers_when_redis_lost_the_group(group: redis.Redis) -> 
     [entry_id] = add(group, 1)
     deliver(group, "w", 1)
     group.flushall()
-    replier = Replier(group, STREAM, GROUP, "w", 60_000)
+    replier = Replier(group, STREAM, GROUP, "w", 60_000, "redbatch:answered:echo")
     assert replier.send([Reply(entry_id, "redbatch:reply:x", b"{}")]) == [entry_id]
     assert group.llen("redbatch:reply:x") == 0
 

@@ -25,9 +25,11 @@ from worker.calibration import (
     write_calibration,
 )
 from worker.execution import Executor, resolve_device
+from worker.health import Readiness
 from worker.memory import memory_probe
 from worker.models import Model, ModelLoadError, create_model
 from worker.redis_server import RedisServer
+from worker.sampler import Sampler
 from worker.settings import Settings
 from worker.worker import Worker
 
@@ -158,15 +160,25 @@ def install_signal_handlers(worker: Worker) -> None:
     signal.signal(signal.SIGINT, handle)
 
 
+def serve_metrics(settings: Settings, readiness: Readiness) -> None:
+    try:
+        metrics.serve(settings.metrics_host, settings.metrics_port, readiness)
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: {exc}") \
+            from None
+
+
 def serve(settings: Settings) -> int:
+    readiness = Readiness()
+    serve_metrics(settings, readiness)  # first, so /healthz answers while the model loads
     with redis_url(settings) as url:
         client = connect(url, settings.block_ms)
         worker = build_worker(settings, client)
-        try:
-            metrics.serve(settings.metrics_host, settings.metrics_port)
-        except OSError as exc:
-            raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: {exc}") \
-                from None
+        sampler = Sampler(worker, client).start()
+        readiness.worker, readiness.redis = worker, sampler
         install_signal_handlers(worker)
-        worker.run()
+        try:
+            worker.run()
+        finally:
+            sampler.stop()
     return 0

@@ -12,7 +12,7 @@ from typing import Any
 from worker.log import configure_logging
 from worker.settings import Settings, SettingsError, load_settings
 
-COMMANDS = ("run", "demo", "dead-letters", "calibrate")
+COMMANDS = ("run", "demo", "dead-letters", "calibrate", "stats")
 
 
 def _is_structured(annotation: Any) -> bool:
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "and write the best sizes for `run` to load")
     add_setting_flags(calibrate)
     calibrate.add_argument("--repeats", type=int, default=3, help="timed runs per batch size")
+    add_stats_parser(commands)
     return parser
 
 
@@ -88,6 +89,17 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
         return 0 if len(added) == len(chosen) else 1
 
 
+def add_stats_parser(commands: Any) -> None:
+    stats = commands.add_parser("stats", help="queue, consumers and throughput per model")
+    add_setting_flags(stats)
+    stats.add_argument("--models", nargs="+", default=None, help="only these (default: all)")
+    stats.add_argument("--watch", type=float, nargs="?", const=2.0, default=None,
+                       metavar="SECONDS", help="refresh every SECONDS (default 2)")
+    stats.add_argument("--json", action="store_true", help="JSON (one line per reading)")
+    stats.add_argument("--interval", type=float, default=1.0,
+                       help="seconds between the two readings that give the throughput")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
@@ -105,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             from worker.demo import run_demo
 
             return run_demo(settings, args.sentences, args.count)
+        if args.command == "stats":
+            from worker.stats import run_stats
+
+            return run_stats(settings, args.models, args.watch, args.json, args.interval)
         if args.command == "dead-letters":
             return dead_letters(settings, args)
         if args.command == "calibrate":

@@ -1,8 +1,18 @@
-"""Prometheus metrics, served on /metrics when `metrics_port` is not 0."""
+"""Prometheus metrics, served on /metrics (beside /healthz and /readyz) when `metrics_port` != 0.
+
+Multiprocess-safe: under `--processes N` the supervisor sets PROMETHEUS_MULTIPROC_DIR, each
+child writes its samples there, and gauges say how the children's values combine.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import os
+from collections.abc import Callable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from worker.endpoints import start_server
 
 LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -17,8 +27,6 @@ UNANSWERABLE = Counter("redbatch_unanswerable_entries",
 DROPPED_REPLIES = Counter("redbatch_dropped_replies",
                           "Results dropped because another consumer had claimed the entry",
                           ["model"])
-BACKLOG = Gauge("redbatch_backlog", "Entries the group has not acked: pending + undelivered",
-                ["model"], multiprocess_mode="mostrecent")
 BATCH_SIZE = Histogram("redbatch_batch_size", "Requests per batch", ["model", "bucket"],
                        buckets=SIZE_BUCKETS)
 PADDED_TOKENS = Histogram("redbatch_batch_padded_tokens", "n x longest per batch",
@@ -41,8 +49,54 @@ OOM_EVENTS = Counter("redbatch_oom_events", "Batches that ran out of memory", ["
 OOM_SPLITS = Counter("redbatch_oom_splits", "Out-of-memory batches split in halves and retried",
                      ["model", "bucket"])
 
+END_TO_END = Histogram("redbatch_request_seconds", "From XADD to the reply written (end to end)",
+                       ["model"], buckets=LATENCY_BUCKETS)
 
-def serve(host: str, port: int) -> None:
-    """Start the /metrics endpoint on a daemon thread (port 0: disabled)."""
-    if port:
-        start_http_server(port, addr=host)
+# Sampled by worker.sampler, off the hot path. This process's own state sums across processes;
+# the stream's state is the same for every process, so the most recent sample stands.
+QUEUE_DEPTH = Gauge("redbatch_queue_depth", "Requests prepared and waiting for a batch",
+                    ["model", "bucket"], multiprocess_mode="livesum")
+IN_FLIGHT = Gauge("redbatch_inflight", "Entries read and not yet answered by this worker",
+                  ["model"], multiprocess_mode="livesum")
+STREAM_LENGTH = Gauge("redbatch_stream_length", "XLEN of the request stream", ["model"],
+                      multiprocess_mode="livemostrecent")
+GROUP_LAG = Gauge("redbatch_group_lag", "Entries not yet delivered to any worker of the group",
+                  ["model"], multiprocess_mode="livemostrecent")
+PENDING = Gauge("redbatch_pending_entries", "Entries delivered and not yet acknowledged",
+                ["model"], multiprocess_mode="livemostrecent")
+BACKLOG = Gauge("redbatch_backlog", "Requests not yet answered: group lag + pending",
+                ["model"], multiprocess_mode="livemostrecent")
+CONSUMERS = Gauge("redbatch_consumers", "Consumers registered in the group", ["model"],
+                  multiprocess_mode="livemostrecent")
+DEAD_LETTER_LENGTH = Gauge("redbatch_dead_letter_length", "Entries in the dead-letter stream",
+                           ["model"], multiprocess_mode="livemostrecent")
+THROUGHPUT = Gauge("redbatch_group_throughput", "Replies per second by the whole group, recently",
+                   ["model"], multiprocess_mode="livemostrecent")
+DRAIN_SECONDS = Gauge("redbatch_drain_seconds",
+                      "Estimated time to answer the backlog at the recent rate (+Inf: stalled)",
+                      ["model"], multiprocess_mode="livemostrecent")
+
+# Incremented by the reclaimer and the dead-letter path.
+RECLAIMED = Counter("redbatch_reclaimed_entries", "Entries claimed from idle consumers",
+                    ["model"])
+REDELIVERIES = Counter("redbatch_redeliveries", "Entries read that had been delivered before",
+                       ["model"])
+DEAD_LETTERS = Counter("redbatch_dead_letters", "Entries moved to the dead-letter stream",
+                       ["model"])
+
+
+def registry() -> CollectorRegistry:
+    """The registry to expose: every process's samples under PROMETHEUS_MULTIPROC_DIR."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return REGISTRY
+    combined = CollectorRegistry()
+    multiprocess.MultiProcessCollector(combined)  # type: ignore[no-untyped-call]
+    return combined
+
+
+def serve(host: str, port: int,
+          readiness: Callable[[], dict[str, bool]] | None = None) -> ThreadingWSGIServer | None:
+    """Serve /metrics, /healthz and /readyz on a daemon thread (port 0: disabled)."""
+    if not port:
+        return None
+    return start_server(host, port, registry(), readiness or (lambda: {}))

@@ -3,7 +3,7 @@
 The script writes a reply only while this consumer still owns the entry (it is in this
 consumer's pending list). So no entry is acked without its answer, and a worker whose
 entries were claimed by another while it was frozen drops its late result instead of
-answering twice.
+answering twice. The same script counts the replies written, for throughput and drain time.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from worker.stream import is_group_lost
 log = structlog.get_logger("redbatch.replier")
 
 REPLY_AND_ACK = """
--- KEYS[1] stream, KEYS[2..n+1] reply keys
+-- KEYS[1] stream, KEYS[2] answered counter, KEYS[3..n+2] reply keys
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] ttl ms, then n pairs: entry id, envelope
 -- Returns {ids not answered because this consumer no longer owns them, ids whose reply key
 -- holds another type than a list (a producer's mistake: acked all the same, or they would
 -- come back forever)}.
 local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local dropped, undeliverable = {}, {}
-for i = 2, #KEYS do
-  local entry_id = ARGV[2 * i]
+for i = 3, #KEYS do
+  local entry_id = ARGV[2 * i - 2]
   local owned = redis.call('XPENDING', stream, group, entry_id, entry_id, 1, consumer)
   if #owned == 1 then
-    if type(redis.pcall('LPUSH', KEYS[i], ARGV[2 * i + 1])) == 'number' then
+    if type(redis.pcall('LPUSH', KEYS[i], ARGV[2 * i - 1])) == 'number' then
       redis.call('PEXPIRE', KEYS[i], ttl)
     else
       undeliverable[#undeliverable + 1] = entry_id
@@ -41,6 +41,7 @@ for i = 2, #KEYS do
     dropped[#dropped + 1] = entry_id
   end
 end
+redis.call('INCRBY', KEYS[2], #KEYS - 2 - #dropped)  -- acked, so off the backlog
 return {dropped, undeliverable}
 """
 
@@ -56,9 +57,10 @@ class Replier:
     """Writes answers for one stream on behalf of one consumer."""
 
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
-                 ttl_ms: int, model_name: str = "") -> None:
+                 ttl_ms: int, answered_key: str, model_name: str = "") -> None:
         self.client = client
         self.stream = stream
+        self.answered_key = answered_key
         self.group = group
         self.consumer = consumer
         self.ttl_ms = ttl_ms
@@ -69,7 +71,7 @@ class Replier:
         """Answer and ack atomically; returns the entry ids dropped as no longer ours."""
         if not replies:
             return []
-        keys = [self.stream, *(r.reply_key for r in replies)]
+        keys = [self.stream, self.answered_key, *(r.reply_key for r in replies)]
         args: list[str | bytes | int] = [self.group, self.consumer, self.ttl_ms]
         for r in replies:
             args += (r.entry_id, r.envelope)

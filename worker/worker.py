@@ -97,7 +97,8 @@ class Worker:
         self.stream = protocol.stream_key(settings.namespace, self.name)
         self.reader = StreamReader(client, self.stream, settings.group, settings.consumer)
         self.replier = Replier(client, self.stream, settings.group, settings.consumer,
-                               settings.result_ttl_ms)
+                               settings.result_ttl_ms,
+                               protocol.answered_key(settings.namespace, self.name))
         self.reclaimer = Reclaimer(client, self.stream, settings.group, settings.consumer,
                                    settings.claim_idle_ms, self.name)
         self.dead_letters = DeadLetters(
@@ -157,6 +158,11 @@ class Worker:
         self.stopping.set()
         with self._lock:
             self._lock.notify_all()
+
+    def load(self) -> tuple[int, list[int]]:
+        """Entries held (read, not yet answered) and requests queued per bucket, for metrics."""
+        with self._lock:
+            return len(self._held), [len(bucket.items) for bucket in self.batcher.buckets]
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -350,9 +356,12 @@ class Worker:
             if dropped:
                 metrics.DROPPED_REPLIES.labels(self.name).inc(len(dropped))
                 log.warning("replies.dropped_not_owner", count=len(dropped))
+            written_ms = time.time() * 1000
             for answer in answers:
                 if answer.entry_id not in dropped:  # answered by the consumer that claimed it
                     metrics.REQUESTS.labels(self.name, answer.status).inc()
+                    metrics.END_TO_END.labels(self.name).observe(
+                        max(0.0, written_ms - entry_time_ms(answer.entry_id)) / 1000)
             with self._lock:  # dropped ones are freed too: they are no longer ours
                 self._held.difference_update(a.entry_id for a in answers)
                 self._lock.notify_all()

@@ -1,0 +1,220 @@
+"""Metrics, the sampler, /healthz and /readyz, and `python -m worker stats`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from producer import Client, protocol
+from worker.cli import main
+from worker.endpoints import start_server
+from worker.health import Readiness
+from worker.sampler import Sampler
+from worker.stream import StreamReader
+from worker.stream_stats import RateMeter, count_after, drain_seconds, read_stream_stats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.fixture
+def http() -> Iterator[tuple[str, dict[str, bool]]]:
+    """The metrics server on a free port; the test edits the readiness checks it reports."""
+    checks: dict[str, bool] = {"model_loaded": False}
+    server = start_server("127.0.0.1", 0, REGISTRY, lambda: dict(checks))
+    yield f"http://127.0.0.1:{server.server_port}", checks
+    server.shutdown()
+    server.server_close()
+
+
+# --- pure policy ------------------------------------------------------------------------------
+
+
+def test_rate_meter_measures_over_a_sliding_window() -> None:
+    meter = RateMeter(window_s=10)
+    assert meter.rate() is None
+    meter.add(0.0, 100)
+    assert meter.rate() is None
+    meter.add(2.0, 140)
+    assert meter.rate() == pytest.approx(20.0)
+    for t in range(3, 30):
+        meter.add(float(t), 140 + 5 * (t - 2))
+    assert meter.rate() == pytest.approx(5.0)  # the early burst has left the window
+    meter.add(30.0, 3)  # counter reset (Redis flushed): no negative rate
+    assert meter.rate() is None
+
+
+def test_drain_seconds() -> None:
+    assert drain_seconds(0, None) == 0.0
+    assert drain_seconds(100, 50.0) == pytest.approx(2.0)
+    assert drain_seconds(100, 0.0) == float("inf")
+
+
+# --- HTTP endpoints ---------------------------------------------------------------------------
+
+
+def test_healthz_readyz_and_metrics_share_the_port(http: tuple[str, dict[str, bool]]) -> None:
+    base, checks = http
+    assert get(f"{base}/healthz")[0] == 200
+    status, body = get(f"{base}/readyz")
+    assert status == 503 and json.loads(body) == {"ready": False,
+                                                  "checks": {"model_loaded": False}}
+    checks["model_loaded"] = True
+    assert get(f"{base}/readyz")[0] == 200
+    status, body = get(f"{base}/metrics")
+    assert status == 200 and "redbatch_requests_total" in body
+
+
+def test_readiness_follows_the_worker_and_redis(redis_url: str, worker_factory: Any) -> None:
+    readiness = Readiness()
+    assert readiness() == {"model_loaded": False, "serving": False, "redis": False}
+    with worker_factory() as worker:
+        sampler = Sampler(worker, worker.reader.client, interval_s=60)
+        readiness.worker, readiness.redis = worker, sampler
+        assert readiness()["redis"] is False  # not sampled yet
+        sampler.sample()
+        assert all(readiness().values())
+    assert readiness()["serving"] is False  # stopped
+
+
+# --- Redis-sampled metrics --------------------------------------------------------------------
+
+
+def enqueue(r: redis.Redis, model: str, count: int) -> None:
+    client = Client(model=model, redis_client=r)
+    client.submit_many([{"n": i} for i in range(count)])
+
+
+@pytest.mark.parametrize("consumed", [0, 3])
+def test_lag_and_pending_on_every_redis_version(r: redis.Redis, consumed: int) -> None:
+    stream = protocol.stream_key("redbatch", "m")
+    reader = StreamReader(r, stream, "workers", "c1")
+    reader.ensure_group()
+    enqueue(r, "m", 10)
+    if consumed:
+        reader.draining_own_pending = False
+        assert len(reader.read(consumed, 100)) == consumed
+    stats = read_stream_stats(r, "redbatch", "m", "workers")
+    assert (stats.length, stats.lag, stats.pending, stats.backlog) == (10, 10 - consumed,
+                                                                       consumed, 10)
+    assert [(c.name, c.pending) for c in stats.consumers] == ([("c1", consumed)]
+                                                               if consumed else [])
+
+
+def test_lag_count_stops_at_the_cap(r: redis.Redis) -> None:
+    enqueue(r, "m", 12)
+    assert count_after(r, protocol.stream_key("redbatch", "m"), "0-0", cap=5) == 5
+    assert count_after(r, protocol.stream_key("redbatch", "m"), "0-0") == 12
+
+
+def test_missing_stream_reads_as_empty(r: redis.Redis) -> None:
+    stats = read_stream_stats(r, "redbatch", "nothing", "workers")
+    assert (stats.length, stats.backlog, stats.answered, stats.consumers) == (0, 0, 0, [])
+
+
+def test_worker_metrics_after_a_run(redis_url: str, r: redis.Redis, worker_factory: Any) -> None:
+    answered_before = sample("redbatch_requests_total", model="echo", status="ok")
+    e2e_before = sample("redbatch_request_seconds_count", model="echo")
+    with worker_factory(model="echo") as worker:
+        client = Client(redis_client=redis.Redis.from_url(redis_url, socket_timeout=30),
+                        model="echo")
+        reply_to = client.new_reply_key()
+        client.submit_many([{"i": i} for i in range(20)], reply_to=reply_to)
+        assert len(client.collect(reply_to, 20, timeout=20)) == 20
+        sampler = Sampler(worker, r)
+        sampler.sample()
+        enqueue(r, "echo", 0)
+        sampler.sample()
+    assert sample("redbatch_requests_total", model="echo", status="ok") - answered_before == 20
+    assert sample("redbatch_request_seconds_count", model="echo") - e2e_before == 20
+    assert r.get(protocol.answered_key("redbatch", "echo")) == b"20"
+    assert sample("redbatch_backlog", model="echo") == 0
+    assert sample("redbatch_stream_length", model="echo") == 20  # acked, not trimmed here
+    assert sample("redbatch_consumers", model="echo") == 1
+    assert sample("redbatch_inflight", model="echo") == 0
+    assert sample("redbatch_queue_depth", model="echo", bucket="0") == 0
+    assert sample("redbatch_drain_seconds", model="echo") == 0
+
+
+def test_gauges_combine_across_processes(tmp_path: Path) -> None:
+    """Under --processes, each child's gauges land in PROMETHEUS_MULTIPROC_DIR: in-flight
+    entries add up, while the stream's state is one value, not a sum."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    child = ("from worker import metrics; import sys; n = int(sys.argv[1]);"
+             "metrics.IN_FLIGHT.labels('m').set(n); metrics.STREAM_LENGTH.labels('m').set(50);"
+             "metrics.REQUESTS.labels('m', 'ok').inc(n)")
+    for n in (3, 4):
+        subprocess.run([sys.executable, "-c", child, str(n)], env=env, check=True, timeout=60)
+    exposed = subprocess.run(
+        [sys.executable, "-c", "from prometheus_client import generate_latest;"
+         "from worker import metrics; print(generate_latest(metrics.registry()).decode())"],
+        env=env, check=True, timeout=60, capture_output=True, text=True).stdout
+    assert 'redbatch_inflight{model="m"} 7.0' in exposed
+    assert 'redbatch_stream_length{model="m"} 50.0' in exposed
+    assert 'redbatch_requests_total{model="m",status="ok"} 7.0' in exposed
+
+
+# --- python -m worker stats -------------------------------------------------------------------
+
+
+@pytest.fixture
+def keep_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """main() points structlog at capsys's stderr, closed after the test: later workers'
+    threads would die writing their logs there."""
+    monkeypatch.setattr("worker.cli.configure_logging", lambda *args: None)
+
+
+@pytest.mark.usefixtures("keep_logging")
+def test_stats_json_and_table(redis_url: str, r: redis.Redis, worker_factory: Any,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    with worker_factory(model="echo") as worker:
+        Client(redis_url, "echo").infer({"x": 1}, timeout=10)
+        consumer = worker.settings.consumer
+    enqueue(r, "waiting", 4)  # a model without workers yet
+    r.xadd(protocol.dead_letter_key("redbatch", "echo"), {"id": "poison"})
+    capsys.readouterr()  # the worker's logs
+    assert main(["stats", "--redis-url", redis_url, "--json", "--interval", "0.05"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    by_model = {m["model"]: m for m in report["models"]}
+    assert set(by_model) == {"echo", "waiting"}
+    echo, waiting = by_model["echo"], by_model["waiting"]
+    assert (echo["answered"], echo["backlog"], echo["dead_letters"]) == (1, 0, 1)
+    assert [c["name"] for c in echo["consumers"]] == [consumer]
+    assert echo["throughput_per_s"] == 0 and echo["drain_seconds"] == 0
+    assert (waiting["length"], waiting["backlog"], waiting["drain_seconds"]) == (4, 4, None)
+
+    assert main(["stats", "--redis-url", redis_url, "--interval", "0.05"]) == 0
+    table = capsys.readouterr().out
+    assert "waiting" in table and "echo" in table and "consumers" in table
+
+
+@pytest.mark.usefixtures("keep_logging")
+def test_stats_explains_a_missing_or_unreachable_redis(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDBATCH_REDIS_URL", raising=False)
+    assert main(["stats", "--json"]) == 2
+    assert "REDBATCH_REDIS_URL" in capsys.readouterr().err
+    assert main(["stats", "--redis-url", "redis://127.0.0.1:1/0", "--interval", "0"]) == 2
+    assert "cannot read stats" in capsys.readouterr().err

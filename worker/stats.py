@@ -1,0 +1,141 @@
+"""`python -m worker stats`: the queue of every model on one screen (rich), or JSON for scripts.
+
+Throughput is the change of the replies counter between two readings (`--interval` apart,
+or successive refreshes with `--watch`), so it covers every worker of the group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from worker.settings import Settings
+from worker.stream_stats import (
+    RateMeter,
+    StreamStats,
+    discover_models,
+    drain_seconds,
+    read_stream_stats,
+)
+
+
+class StatsReader:
+    """Reads every model's stats and keeps a rate meter per model across readings."""
+
+    def __init__(self, client: redis.Redis, namespace: str, group: str,
+                 models: list[str] | None = None) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.group = group
+        self.models = models
+        self.meters: dict[str, RateMeter] = {}
+
+    def read(self) -> list[tuple[StreamStats, float | None]]:
+        models = self.models or discover_models(self.client, self.namespace)
+        now = time.monotonic()
+        rows = []
+        for model in models:
+            stats = read_stream_stats(self.client, self.namespace, model, self.group)
+            meter = self.meters.setdefault(model, RateMeter())
+            meter.add(now, stats.answered)
+            rows.append((stats, meter.rate()))
+        return rows
+
+
+def format_duration(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "stalled"
+    if 0 < seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
+    models = Table(title=f"redbatch queues (group '{group}')", title_justify="left")
+    models.add_column("model", no_wrap=True)
+    for column in ("length", "lag", "pending", "backlog", "consumers", "dead", "req/s",
+                   "drain"):
+        models.add_column(column, justify="right")
+    consumers = Table(title="consumers", title_justify="left")
+    consumers.add_column("model", no_wrap=True)
+    consumers.add_column("consumer", no_wrap=True)
+    consumers.add_column("pending", justify="right")
+    consumers.add_column("idle", justify="right")
+    for stats, rate in rows:
+        lag = f"≥{stats.lag}" if stats.lag_capped else str(stats.lag)
+        drain = "—" if rate is None else format_duration(drain_seconds(stats.backlog, rate))
+        models.add_row(stats.model, str(stats.length), lag, str(stats.pending),
+                       str(stats.backlog), str(len(stats.consumers)), str(stats.dead_letters),
+                       "—" if rate is None else f"{rate:.1f}", drain)
+        for consumer in stats.consumers:
+            consumers.add_row(stats.model, consumer.name, str(consumer.pending),
+                              format_duration(consumer.idle_ms / 1000))
+    if not rows:
+        models.caption = "no request streams yet"
+    return Group(models, consumers)
+
+
+def to_json(rows: list[tuple[StreamStats, float | None]]) -> dict[str, Any]:
+    def model(stats: StreamStats, rate: float | None) -> dict[str, Any]:
+        drain = None if rate is None else drain_seconds(stats.backlog, rate)
+        return {**stats.to_dict(), "throughput_per_s": rate,
+                "drain_seconds": None if drain is None or math.isinf(drain) else drain}
+
+    return {"time": time.time(), "models": [model(stats, rate) for stats, rate in rows]}
+
+
+def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
+              as_json: bool, interval: float,
+              console: Console | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
+    """One screen (after two readings `interval` apart), or refresh every `watch` seconds."""
+    console = console or Console()
+    if not settings.redis_url:
+        print("redbatch: stats needs --redis-url or REDBATCH_REDIS_URL", file=sys.stderr)
+        return 2
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10,
+                                  socket_connect_timeout=5)
+    reader = StatsReader(client, settings.namespace, settings.group, models)
+    try:
+        reader.read()
+        if watch is None:
+            sleep(interval)
+            show(console, reader.read(), settings.group, as_json)
+            return 0
+        if as_json:
+            while True:
+                sleep(watch)
+                show(console, reader.read(), settings.group, as_json=True)
+        with Live(render(reader.read(), settings.group), console=console,
+                  auto_refresh=False) as live:
+            while True:
+                sleep(watch)
+                live.update(render(reader.read(), settings.group), refresh=True)
+    except redis.RedisError as exc:
+        print(f"redbatch: cannot read stats from {settings.redis_url}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
+def show(console: Console, rows: list[tuple[StreamStats, float | None]], group: str,
+         as_json: bool) -> None:
+    """JSON: one line per reading, so `--watch --json` is a JSONL stream."""
+    if as_json:
+        print(json.dumps(to_json(rows)), flush=True)
+    else:
+        console.print(render(rows, group))

@@ -1,0 +1,130 @@
+"""The state of a model's queue as Redis holds it: stream, group, consumers, dead letters.
+
+Read by the metrics sampler and by `python -m worker stats`. Redis 7 reports the group's lag
+in XINFO GROUPS; on Redis 6.2 (or when 7 cannot tell) it is counted with XRANGE after the
+group's last-delivered id, up to LAG_COUNT_CAP entries.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from producer import protocol
+
+LAG_COUNT_CAP = 100_000
+LAG_PAGE = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStats:
+    name: str
+    pending: int
+    idle_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStats:
+    model: str
+    length: int
+    lag: int  # entries not yet delivered to the group
+    pending: int  # delivered, not yet acknowledged
+    answered: int  # replies written since the stream began (a counter)
+    dead_letters: int
+    consumers: list[ConsumerStats] = field(default_factory=list)
+    lag_capped: bool = False  # counted on Redis 6.2 and stopped at LAG_COUNT_CAP
+
+    @property
+    def backlog(self) -> int:
+        """Requests still waiting for their answer."""
+        return self.lag + self.pending
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "backlog": self.backlog}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def discover_models(client: redis.Redis, namespace: str) -> list[str]:
+    """Models with a request stream in this namespace."""
+    prefix = protocol.stream_key(namespace, "")
+    keys = client.scan_iter(match=f"{prefix}*", count=1000, _type="STREAM")
+    return sorted(_text(key)[len(prefix):] for key in keys)
+
+
+def count_after(client: redis.Redis, stream: str, last_id: str, cap: int = LAG_COUNT_CAP) -> int:
+    """Entries after `last_id`, counted page by page up to `cap` (Redis 6.2 has no `lag`)."""
+    counted, start = 0, f"({last_id}"
+    while counted < cap:
+        page: Any = client.xrange(stream, min=start, count=min(LAG_PAGE, cap - counted))
+        if not page:
+            break
+        counted += len(page)
+        start = f"({_text(page[-1][0])}"
+    return counted
+
+
+def read_stream_stats(client: redis.Redis, namespace: str, model: str,
+                      group: str) -> StreamStats:
+    """One snapshot of the model's queue; a missing stream or group reads as empty."""
+    stream = protocol.stream_key(namespace, model)
+    pipe = client.pipeline(transaction=False)
+    pipe.xlen(stream)
+    pipe.get(protocol.answered_key(namespace, model))
+    pipe.xlen(protocol.dead_letter_key(namespace, model))
+    length, answered, dead = pipe.execute()
+    info = next((g for g in _groups(client, stream) if _text(g["name"]) == group), None)
+    if info is None:
+        return StreamStats(model, length, length, 0, int(answered or 0), dead)
+    lag = info.get("lag")
+    capped = False
+    if lag is None:  # Redis 6.2, or 7 after deletions it cannot account for
+        lag = count_after(client, stream, _text(info["last-delivered-id"]))
+        capped = lag >= LAG_COUNT_CAP
+    consumers = [ConsumerStats(_text(c["name"]), c["pending"], c["idle"])
+                 for c in client.xinfo_consumers(stream, group)]
+    return StreamStats(model, length, lag, info["pending"], int(answered or 0), dead,
+                       consumers, capped)
+
+
+def _groups(client: redis.Redis, stream: str) -> list[dict[str, Any]]:
+    try:
+        return list(client.xinfo_groups(stream))
+    except redis.ResponseError:  # no such stream
+        return []
+
+
+class RateMeter:
+    """Replies per second over a sliding window of counter readings (pure: times passed in)."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self._readings: deque[tuple[float, int]] = deque()
+
+    def add(self, now: float, answered: int) -> None:
+        if self._readings and answered < self._readings[-1][1]:
+            self._readings.clear()  # the counter was reset (flushed Redis): start over
+        self._readings.append((now, answered))
+        while len(self._readings) > 2 and now - self._readings[1][0] >= self.window_s:
+            self._readings.popleft()
+
+    def rate(self) -> float | None:
+        """None until two readings exist."""
+        if len(self._readings) < 2:
+            return None
+        (t0, n0), (t1, n1) = self._readings[0], self._readings[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+
+
+def drain_seconds(backlog: int, rate: float | None) -> float:
+    """Time to answer the backlog at `rate`: 0 when empty, +Inf when nothing is moving."""
+    if backlog <= 0:
+        return 0.0
+    if not rate or rate <= 0:
+        return float("inf")
+    return backlog / rate
