@@ -42,7 +42,7 @@ def get(url: str) -> tuple[int, str]:
 @pytest.fixture
 def http() -> Iterator[tuple[str, dict[str, bool]]]:
     """The metrics server on a free port; the test edits the readiness checks it reports."""
-    checks: dict[str, bool] = {"model_loaded": False}
+    checks: dict[str, bool] = {"model": False}
     server = start_server("127.0.0.1", 0, REGISTRY, lambda: dict(checks))
     yield f"http://127.0.0.1:{server.server_port}", checks
     server.shutdown()
@@ -80,8 +80,8 @@ def test_healthz_readyz_and_metrics_share_the_port(http: tuple[str, dict[str, bo
     assert get(f"{base}/healthz")[0] == 200
     status, body = get(f"{base}/readyz")
     assert status == 503 and json.loads(body) == {"ready": False,
-                                                  "checks": {"model_loaded": False}}
-    checks["model_loaded"] = True
+                                                  "checks": {"model": False}}
+    checks["model"] = True
     assert get(f"{base}/readyz")[0] == 200
     status, body = get(f"{base}/metrics")
     assert status == 200 and "redbatch_requests_total" in body
@@ -89,7 +89,7 @@ def test_healthz_readyz_and_metrics_share_the_port(http: tuple[str, dict[str, bo
 
 def test_readiness_follows_the_worker_and_redis(redis_url: str, worker_factory: Any) -> None:
     readiness = Readiness()
-    assert readiness() == {"model_loaded": False, "serving": False, "redis": False}
+    assert readiness() == {"model": False, "serving": False, "redis": False}
     with worker_factory() as worker:
         sampler = Sampler(worker, worker.reader.client, interval_s=60)
         readiness.worker, readiness.redis = worker, sampler

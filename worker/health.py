@@ -14,8 +14,9 @@ class RedisProbe(Protocol):
 class Readiness:
     """Filled in as start-up proceeds, so /healthz and /readyz answer while the model loads.
 
-    `serving` is the worker's `ready` event: set once warm-up is done and the reader, compute
-    and reply threads run; cleared in effect by a shutdown (`stopping`).
+    `model`: the worker exists, which app.build_worker returns only once the model is loaded
+    and warmed up. `serving`: the worker's `ready` event (its group exists and its threads
+    run), and no shutdown begun. `redis`: the sampler read Redis recently.
     """
 
     def __init__(self) -> None:
@@ -25,7 +26,7 @@ class Readiness:
     def __call__(self) -> dict[str, bool]:
         worker, probe = self.worker, self.redis
         return {
-            "model_loaded": worker is not None,
+            "model": worker is not None,
             "serving": worker is not None and worker.ready.is_set()
                        and not worker.stopping.is_set(),
             "redis": probe is not None and probe.redis_reachable(),
