@@ -79,7 +79,8 @@ def test_go_example_vets(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired:
         pytest.skip("go mod tidy timed out: is the Go module proxy reachable?")
     if tidy.returncode != 0:
-        pytest.skip(f"Go modules could not be downloaded: {tidy.stderr[-300:]}")
+        reason = (tidy.stderr.strip().splitlines() or ["no output"])[-1][-200:]
+        pytest.skip(f"Go modules could not be downloaded ({reason})")
     vet = subprocess.run(["go", "vet", "./..."], cwd=work, env=env, capture_output=True,
                          text=True, timeout=300)
     assert vet.returncode == 0, vet.stderr
