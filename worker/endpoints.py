@@ -15,7 +15,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-Readiness = Callable[[], dict[str, bool]]
+ReadinessCheck = Callable[[], dict[str, bool]]
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
@@ -34,7 +34,7 @@ def respond(start_response: StartResponse, status: str, body: dict[str, Any]) ->
     return [data]
 
 
-def router(metrics_app: WSGIApp, readiness: Readiness) -> WSGIApp:
+def router(metrics_app: WSGIApp, readiness: ReadinessCheck) -> WSGIApp:
     """/healthz: 200 while the process runs. /readyz: 200 when every check passes, else 503
     naming the failing ones. Anything else goes to prometheus-client's /metrics app."""
 
@@ -53,7 +53,7 @@ def router(metrics_app: WSGIApp, readiness: Readiness) -> WSGIApp:
 
 
 def start_server(host: str, port: int, registry: CollectorRegistry,
-                 readiness: Readiness) -> ThreadingWSGIServer:
+                 readiness: ReadinessCheck) -> ThreadingWSGIServer:
     """Bind now (so a busy port fails at start-up) and serve on a daemon thread."""
     server = make_server(host, port, router(make_wsgi_app(registry), readiness),
                          ThreadingWSGIServer, handler_class=QuietHandler)
