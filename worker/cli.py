@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         return refuse(exc)
     configure_logging(settings.log_level, settings.log_format)
+    if args.command == "stats":  # reads Redis only: no torch to import
+        from worker.stats import run_stats
+
+        return run_stats(settings, args.models, args.watch, args.json, args.interval)
     from worker.app import StartupError, run_calibration, serve  # torch: valid settings only
 
     try:
@@ -117,10 +121,6 @@ def main(argv: list[str] | None = None) -> int:
             from worker.demo import run_demo
 
             return run_demo(settings, args.sentences, args.count)
-        if args.command == "stats":
-            from worker.stats import run_stats
-
-            return run_stats(settings, args.models, args.watch, args.json, args.interval)
         if args.command == "dead-letters":
             return dead_letters(settings, args)
         if args.command == "calibrate":
