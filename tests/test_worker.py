@@ -89,12 +89,13 @@ def test_replier_answers_only_entries_this_consumer_owns(r: redis.Redis) -> None
     r.xgroup_create(STREAM, "workers", id="0", mkstream=True)
     entry_id = r.xadd(STREAM, {"id": "a", "payload": b"x"}).decode()
     r.xreadgroup("workers", "owner", {STREAM: ">"})
-    late = Replier(r, STREAM, "workers", "someone-else", 1000)
+    late = Replier(r, STREAM, "workers", "someone-else", 1000, "answered")
     assert late.send([Reply(entry_id, "reply:a", b"late")]) == [entry_id]
     assert not r.exists("reply:a") and pending_count(r) == 1
-    owner = Replier(r, STREAM, "workers", "owner", 1000)
+    owner = Replier(r, STREAM, "workers", "owner", 1000, "answered")
     assert owner.send([Reply(entry_id, "reply:a", b"on time")]) == []
     assert r.lrange("reply:a", 0, -1) == [b"on time"] and pending_count(r) == 0
+    assert r.get("answered") == b"1"  # counted once: the dropped late reply is not
 
 
 def test_mixed_lengths_are_batched_by_bucket(client: Client,
