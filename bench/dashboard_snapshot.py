@@ -115,7 +115,7 @@ def main() -> int:
             started = time.monotonic()
             scrapes: list[tuple[float, Sample]] = []
             load.start()
-            stats = threading.Timer(args.pause / 2, subprocess.run, args=(
+            stats = threading.Timer(3.0, subprocess.run, args=(
                 [sys.executable, "-m", "worker", "stats", "--interval", "2"],),
                 kwargs={"env": {**env, "COLUMNS": "100"}, "cwd": ROOT, "check": False})
             stats.start()  # mid-wave, without holding up the scrapes
