@@ -8,6 +8,7 @@ import time
 
 import pytest
 import redis
+from prometheus_client import REGISTRY
 
 from producer import AsyncClient, Client, Overloaded
 from producer.protocol import dead_letter_key, decode_envelope, entry_fields, stream_key
@@ -32,6 +33,10 @@ def deliver(r: redis.Redis, consumer: str, count: int) -> list[str]:
     return [entry_id.decode() for entry_id, _ in response[0][1]] if response else []
 
 
+def counted(name: str) -> float:
+    return REGISTRY.get_sample_value(f"redbatch_{name}_total", {"model": "echo"}) or 0.0
+
+
 def pending_count(r: redis.Redis) -> int:
     return int(r.xpending(STREAM, GROUP)["pending"])
 
@@ -50,12 +55,14 @@ def test_reclaimer_follows_its_cursor_and_claims_each_entry_once(group: redis.Re
     ids = add(group, 40)
     deliver(group, "ghost", 40)
     rescuer = reclaimer(group)
+    reclaimed_before = counted("reclaimed_entries")
     claimed: list[str] = []
     for _ in range(20):
         claimed += [e.id for e in rescuer.claim(7)]
         if rescuer.cursor == "0-0":
             break
     assert claimed == ids  # in order, no entry twice: the cursor moved on each time
+    assert counted("reclaimed_entries") - reclaimed_before == 40
     assert all(e.redelivered for e in rescuer.claim(1) or [])
     info = {c["name"].decode(): c["pending"] for c in group.xinfo_consumers(STREAM, GROUP)}
     assert info["rescuer"] == 40 and info["ghost"] == 0
@@ -95,8 +102,10 @@ def test_poison_entries_move_to_the_dead_letter_stream_and_requeue(group: redis.
         assert [e.id for e in reader.read(1, 10)] == [poison]
     entries = [e for e in reader._xreadgroup("0", 10, None)]  # third redelivery of both
     assert [e.id for e in entries] == [poison, good] and all(e.redelivered for e in entries)
+    before = counted("redeliveries"), counted("dead_letters")
     survivors = dead_letters(group, "w", max_deliveries=3).divert(entries)
     assert [e.id for e in survivors] == [good]
+    assert (counted("redeliveries"), counted("dead_letters")) == (before[0] + 2, before[1] + 1)
     reply = decode_envelope(group.lpop("redbatch:reply:req0"))
     assert reply["ok"] is False and reply["error"]["code"] == "dead_letter"
     assert pending_count(group) == 1  # the poison entry was acked, the good one was not

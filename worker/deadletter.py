@@ -138,6 +138,7 @@ class DeadLetters:
         redelivered = [e for e in entries if e.redelivered]
         if not redelivered:
             return list(entries)
+        metrics.REDELIVERIES.labels(self.model_name).inc(len(redelivered))
         try:
             counts = self.delivery_counts([e.id for e in redelivered])
         except redis.ResponseError as exc:
@@ -178,6 +179,7 @@ class DeadLetters:
             args += (entry.id, counts[entry.id], reason, envelope)
         moved = [_text(m) for m in self._move(keys=keys, args=args)]
         metrics.REQUESTS.labels(self.model_name, ErrorCode.DEAD_LETTER.value).inc(len(moved))
+        metrics.DEAD_LETTERS.labels(self.model_name).inc(len(moved))
         log.warning("entries.dead_lettered", entry_ids=moved, dead_letter_stream=self.dead_stream)
         return moved
 

@@ -98,6 +98,7 @@ class Reclaimer:
         entries = [Entry(_text(entry_id), _fields(fields), redelivered=True)
                    for entry_id, fields in raw_entries]
         if entries or deleted:
+            metrics.RECLAIMED.labels(self.model_name).inc(len(entries))
             log.info("entries.claimed", count=len(entries), deleted=deleted)
         return entries
 
