@@ -1,8 +1,8 @@
 """The state of a model's queue as Redis holds it: stream, group, consumers, dead letters.
 
 Read by the metrics sampler and by `python -m worker stats`. Redis 7 reports the group's lag
-in XINFO GROUPS; on Redis 6.2 (or when 7 cannot tell) it is counted with XRANGE after the
-group's last-delivered id, up to LAG_COUNT_CAP entries.
+in XINFO GROUPS; on Redis 6.2 (or when 7 cannot tell) the producer's backlog script counts the
+entries after the group's last-delivered id inside Redis, up to LAG_COUNT_CAP of them.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import redis
 
 from producer import protocol
+from producer.backlog import BACKLOG
 
 LAG_COUNT_CAP = 100_000
-LAG_PAGE = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +57,12 @@ def discover_models(client: redis.Redis, namespace: str) -> list[str]:
     return sorted(_text(key)[len(prefix):] for key in keys)
 
 
-def count_after(client: redis.Redis, stream: str, last_id: str, cap: int = LAG_COUNT_CAP) -> int:
-    """Entries after `last_id`, counted page by page up to `cap` (Redis 6.2 has no `lag`)."""
-    counted, start = 0, f"({last_id}"
-    while counted < cap:
-        page: Any = client.xrange(stream, min=start, count=min(LAG_PAGE, cap - counted))
-        if not page:
-            break
-        counted += len(page)
-        start = f"({_text(page[-1][0])}"
-    return counted
+def count_undelivered(client: redis.Redis, stream: str, group: str, pending: int,
+                      cap: int = LAG_COUNT_CAP) -> int:
+    """The group's lag where Redis has no `lag`: its backlog (counted in Redis, at most `cap`
+    undelivered entries) less its pending entries."""
+    backlog: Any = client.register_script(BACKLOG)(keys=[stream], args=[group, cap])
+    return max(0, int(backlog) - pending)
 
 
 def read_stream_stats(client: redis.Redis, namespace: str, model: str,
@@ -84,7 +80,7 @@ def read_stream_stats(client: redis.Redis, namespace: str, model: str,
     lag = info.get("lag")
     capped = False
     if lag is None:  # Redis 6.2, or 7 after deletions it cannot account for
-        lag = count_after(client, stream, _text(info["last-delivered-id"]))
+        lag = count_undelivered(client, stream, group, info["pending"])
         capped = lag >= LAG_COUNT_CAP
     consumers = [ConsumerStats(_text(c["name"]), c["pending"], c["idle"])
                  for c in client.xinfo_consumers(stream, group)]
