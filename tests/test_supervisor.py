@@ -95,6 +95,9 @@ def test_supervisor_restarts_a_killed_child_and_sums_their_metrics(
     stream = stream_key("redbatch", "echo")
     try:
         wait_until(lambda: consumers() == {"sup-0", "sup-1"}, 90, "both children reading")
+        for probe in ("healthz", "readyz"):  # the probes on the supervisor's port
+            assert urllib.request.urlopen(f"http://127.0.0.1:{port}/{probe}", timeout=10).status \
+                == 200
         client = Client(redis_url, "echo")
         reply_key = client.new_reply_key()
         ids = client.submit_many(({"i": i} for i in range(600)), reply_to=reply_key)

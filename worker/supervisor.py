@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import structlog
-from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+from prometheus_client import CollectorRegistry, multiprocess
 
 from worker.app import StartupError, redis_url
+from worker.endpoints import start_server
 from worker.settings import Settings
 from worker.worker import backoff_delays
 
@@ -85,6 +86,11 @@ class Supervisor:
         log.info("supervisor.stopped", exit_code=self.exit_code)
         return self.exit_code
 
+    def readiness(self) -> dict[str, bool]:
+        """For /readyz: every child is running and no shutdown has begun."""
+        running = all(c.process is not None and c.process.poll() is None for c in self.children)
+        return {"children": running and not self.stopping.is_set()}
+
     def signal(self, signum: int) -> None:
         """Pass a signal on to every child (a second one makes them exit at once)."""
         self.stopping.set()
@@ -123,12 +129,13 @@ class Supervisor:
             self._start(child)
 
 
-def serve_metrics(directory: str, host: str, port: int) -> None:
-    """/metrics summing every child's samples (prometheus_client multiprocess mode)."""
+def serve_metrics(directory: str, host: str, port: int, supervisor: Supervisor) -> None:
+    """/metrics summing every child's samples (prometheus_client multiprocess mode), beside
+    /healthz and /readyz."""
     if port:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=directory)
-        start_http_server(port, addr=host, registry=registry)
+        start_server(host, port, registry, supervisor.readiness)
 
 
 def supervise(settings: Settings) -> int:
@@ -138,12 +145,13 @@ def supervise(settings: Settings) -> int:
         with redis_url(settings) as url:
             commands = [[sys.executable, "-m", "worker", "run", *settings_flags(child)]
                         for child in child_settings(settings, url)]
+            supervisor = Supervisor(commands, env)
             try:
-                serve_metrics(metrics_dir, settings.metrics_host, settings.metrics_port)
+                serve_metrics(metrics_dir, settings.metrics_host, settings.metrics_port,
+                              supervisor)
             except OSError as exc:
                 raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: "
                                    f"{exc}") from None
-            supervisor = Supervisor(commands, env)
 
             def handle(signum: int, frame: FrameType | None) -> None:
                 log.info("supervisor.signal", signal=signal.Signals(signum).name)
