@@ -34,19 +34,20 @@ def load_yaml_all(path: str) -> list[Any]:
     return list(yaml.safe_load_all((ROOT / path).read_text()))
 
 
-def env_of(environment: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
-    """compose's mapping or Kubernetes' list of {name, value}."""
+def env_of(environment: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str | None]:
+    """compose's mapping or Kubernetes' list of {name, value}; None: set at run time
+    (Kubernetes' valueFrom)."""
     if isinstance(environment, dict):
         return {k: str(v) for k, v in environment.items()}
-    return {e["name"]: str(e.get("value", "")) for e in environment}
+    return {e["name"]: str(e["value"]) if "value" in e else None for e in environment}
 
 
-def assert_settings_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def assert_settings_env(env: dict[str, str | None], monkeypatch: pytest.MonkeyPatch) -> None:
     """Every REDBATCH_* variable is a real setting, and the values are accepted."""
     for name, value in env.items():
         if name.startswith("REDBATCH_"):
             assert name[len("REDBATCH_"):].lower() in Settings.model_fields, name
-            if "$(" not in value:  # Kubernetes substitutes $(VAR) at run time
+            if value is not None and "$(" not in value:  # Kubernetes fills $(VAR) in later
                 monkeypatch.setenv(name, value)
     load_settings()
 
@@ -225,7 +226,7 @@ def test_keda_scales_on_lag_with_pending_as_fallback() -> None:
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = env_of(container["env"])
-    settings = Settings(model=env["REDBATCH_MODEL"])
+    settings = load_settings(model=env["REDBATCH_MODEL"])
     triggers = scaled["spec"]["triggers"]
     assert {t["type"] for t in triggers} == {"redis-streams"}
     for trigger in triggers:
