@@ -168,6 +168,8 @@ def draw(scrapes: list[tuple[float, Sample]], out: Path) -> None:
                             ("redbatch_queue_depth", "in batcher")):
             series[label].append(total(new, name))
         series["RSS"].append(total(new, "process_resident_memory_bytes") / 2**20)
+        for kind, value in by_label(new, "redbatch_memory_bytes", "kind").items():
+            series[f"governor: {kind}"].append(value / 2**20)
     fig, axes = plt.subplots(3, 2, figsize=(13, 10), sharex=True)
     panels = [
         ("Throughput (replies/s)", ["throughput"], ""),
@@ -176,7 +178,7 @@ def draw(scrapes: list[tuple[float, Sample]], out: Path) -> None:
         ("Batch size by bucket (mean)", sorted(k for k in series if k.startswith("batch ")), ""),
         ("Padding efficiency (real / padded tokens)", ["padding efficiency"], ""),
         ("Backlog (requests)", ["backlog", "lag", "pending", "in batcher"], ""),
-        ("Memory: worker RSS (MiB)", ["RSS"], ""),
+        ("Memory (MiB)", ["RSS", *sorted(k for k in series if k.startswith("governor"))], ""),
     ]
     for ax, (title, keys, scale) in zip(axes.flat, panels, strict=True):
         for key in keys:
