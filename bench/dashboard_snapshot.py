@@ -33,6 +33,7 @@ from worker.redis_server import RedisServer, free_port  # noqa: E402
 
 Sample = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 ROOT = Path(__file__).resolve().parents[1]
+LEAD_IN_S = 6.0
 
 
 def scrape(url: str) -> Sample:
@@ -79,6 +80,7 @@ def run_load(redis_url: str, texts: list[str], waves: int, pause_s: float) -> No
     """`waves` bursts of the texts, `pause_s` apart; the replies pile up on one key."""
     client = Client(redis_url, "minilm")
     reply_to = client.new_reply_key()
+    time.sleep(LEAD_IN_S)  # idle scrapes first, so every rate window sees the first wave
     for _ in range(waves):
         client.submit_many([{"text": t} for t in texts], reply_to=reply_to)
         time.sleep(pause_s)
@@ -88,9 +90,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
     parser.add_argument("--waves", type=int, default=3)
-    parser.add_argument("--texts", type=int, default=200, help="sentences per wave")
-    parser.add_argument("--pause", type=float, default=20.0)
-    parser.add_argument("--tail", type=float, default=15.0, help="seconds scraped after load")
+    parser.add_argument("--texts", type=int, default=400, help="sentences per wave")
+    parser.add_argument("--pause", type=float, default=15.0)
+    parser.add_argument("--tail", type=float, default=10.0, help="seconds scraped after load")
     args = parser.parse_args()
     texts = (ROOT / "examples" / "sentences.txt").read_text().splitlines()[:args.texts]
     port = free_port()
@@ -115,11 +117,11 @@ def main() -> int:
             started = time.monotonic()
             scrapes: list[tuple[float, Sample]] = []
             load.start()
-            stats = threading.Timer(3.0, subprocess.run, args=(
+            stats = threading.Timer(LEAD_IN_S + 0.5, subprocess.run, args=(
                 [sys.executable, "-m", "worker", "stats", "--interval", "2"],),
                 kwargs={"env": {**env, "COLUMNS": "100"}, "cwd": ROOT, "check": False})
             stats.start()  # mid-wave, without holding up the scrapes
-            duration = args.waves * args.pause + args.tail
+            duration = LEAD_IN_S + args.waves * args.pause + args.tail
             while load.is_alive() or time.monotonic() - started < duration:
                 scrapes.append((time.monotonic() - started, scrape(f"{base}/metrics")))
                 time.sleep(1.0)
@@ -178,7 +180,8 @@ def draw(scrapes: list[tuple[float, Sample]], out: Path) -> None:
         ("Batch size by bucket (mean)", sorted(k for k in series if k.startswith("batch ")), ""),
         ("Padding efficiency (real / padded tokens)", ["padding efficiency"], ""),
         ("Backlog (requests)", ["backlog", "lag", "pending", "in batcher"], ""),
-        ("Memory (MiB)", ["RSS", *sorted(k for k in series if k.startswith("governor"))], ""),
+        ("Memory (MiB)", ["RSS", *sorted(k for k in series if k.startswith("governor"))],
+         "log"),
     ]
     for ax, (title, keys, scale) in zip(axes.flat, panels, strict=True):
         for key in keys:
