@@ -73,6 +73,8 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
         device = resolve_device(settings.device)
     except (ModelLoadError, ValueError) as exc:
         raise StartupError(str(exc)) from None
+    if settings.torch_threads:  # fewer than the cores leaves room for reading and replying
+        torch.set_num_threads(settings.torch_threads)
     started = time.perf_counter()
     try:
         model.load(device)
