@@ -21,6 +21,7 @@ import queue
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -357,11 +358,13 @@ class Worker:
                 metrics.DROPPED_REPLIES.labels(self.name).inc(len(dropped))
                 log.warning("replies.dropped_not_owner", count=len(dropped))
             written_ms = time.time() * 1000
-            for answer in answers:
-                if answer.entry_id not in dropped:  # answered by the consumer that claimed it
-                    metrics.REQUESTS.labels(self.name, answer.status).inc()
-                    metrics.END_TO_END.labels(self.name).observe(
-                        max(0.0, written_ms - entry_time_ms(answer.entry_id)) / 1000)
+            # dropped ones were answered by the consumer that claimed them
+            answered = [a for a in answers if a.entry_id not in dropped]
+            for status, count in Counter(a.status for a in answered).items():
+                metrics.REQUESTS.labels(self.name, status).inc(count)  # labels() takes a lock
+            end_to_end = metrics.END_TO_END.labels(self.name)
+            for answer in answered:
+                end_to_end.observe(max(0.0, written_ms - entry_time_ms(answer.entry_id)) / 1000)
             with self._lock:  # dropped ones are freed too: they are no longer ours
                 self._held.difference_update(a.entry_id for a in answers)
                 self._lock.notify_all()
