@@ -1,0 +1,36 @@
+"""The benchmark harness end to end in its seconds-long smoke mode (CI measures nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [report] = tmp_path.glob("*-smoke.json")
+    results = json.loads(report.read_text())
+    for section in ("corpus", "saturation", "latency", "overhead", "scaling", "targets"):
+        assert section in results
+    saturation = results["saturation"]
+    for config in ("offline", "redbatch", "fifo", "batch1"):
+        assert saturation[config]["median"] > 0
+    assert sum(saturation["redbatch"]["batch_size_histogram"].values()) > 0
+    assert results["overhead"]["worker_median"] > 0 and results["overhead"]["ratio"] > 0
+    assert set(results["scaling"]["processes"]) == {"1", "2"}
+    assert len(results["targets"]) == 6  # no 4-process scaling in the smoke run
+    markdown = report.with_suffix(".md").read_text()
+    assert "## Targets" in markdown
+    plots = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(plots) == 5 and all(name in markdown for name in plots)

@@ -1,0 +1,52 @@
+"""The benchmark's pure parts: statistics, arrivals, corpus filtering, target checks."""
+
+from __future__ import annotations
+
+import math
+
+from bench.corpus import paragraphs
+from bench.load import poisson_offsets
+from bench.report import targets
+from bench.stats import histogram, percentile
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile(list(range(101)), 99) == 99
+    assert math.isnan(percentile([], 50))
+
+
+def test_histogram_subtracts_the_earlier_scrape_and_uncumulates() -> None:
+    def bucket(le: str, bucket_label: str) -> tuple[str, frozenset[tuple[str, str]]]:
+        return ("h_bucket", frozenset({("le", le), ("bucket", bucket_label)}))
+
+    before = {bucket("1.0", "0"): 1.0, bucket("2.0", "0"): 2.0}
+    after = {bucket("1.0", "0"): 3.0, bucket("2.0", "0"): 7.0, bucket("1.0", "1"): 1.0,
+             bucket("2.0", "1"): 1.0}
+    assert histogram(before, after, "h") == {1.0: 3.0, 2.0: 3.0}
+
+
+def test_poisson_offsets_are_seeded_increasing_and_near_the_rate() -> None:
+    offsets = poisson_offsets(rate=200, duration_s=10, seed=1)
+    assert offsets == poisson_offsets(rate=200, duration_s=10, seed=1)
+    assert offsets == sorted(offsets) and offsets[-1] < 10
+    assert 1800 < len(offsets) < 2200
+
+
+def test_paragraphs_keep_prose_and_drop_code_and_doctests() -> None:
+    doc = ("Return the sum of the values.\n\n    >>> add(1, 2)\n    3\n\n"
+           "x = {1: [2, 3]}  # {}[]()\n\nSee also the\n   other  function here.")
+    assert list(paragraphs(doc)) == ["Return the sum of the values.",
+                                     "See also the other function here."]
+
+
+def test_targets_compare_each_figure_with_its_bar() -> None:
+    results = {
+        "saturation": {"redbatch": {"ratio_to_offline": 0.95}, "fifo": {"bucketing_speedup": 1.2}},
+        "overhead": {"worker_median": 25_000, "ratio": 0.4},
+        "latency": {"settings": {"max_wait_ms": 5.0}, "levels": [
+            {"load": 0.5, "e2e_ms": {"p99": 40.0}, "batch_compute_ms": {"p99": 20.0}}]},
+        "scaling": {"processes": {1: {"factor": 1.0}, 2: {"factor": 1.9}, 4: {"factor": 3.0}}},
+    }
+    assert [t["met"] for t in targets(results)] == [True, False, True, False, True, True, False]
