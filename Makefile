@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: demo test lint bench clean
 
@@ -22,8 +23,13 @@ lint: $(STAMP)
 	$(PY) -m ruff check worker producer tests bench
 	$(PY) -m mypy worker producer
 
-bench: $(STAMP)
-	$(PY) -m bench
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+# The full benchmark (minutes; writes bench/results/). `make bench BENCH_ARGS=--quick` for a short one.
+bench: $(BENCH_STAMP)
+	$(PY) -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .redbatch .pytest_cache .mypy_cache .ruff_cache
