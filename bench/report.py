@@ -149,10 +149,12 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         f"- {machine['cpus']} CPUs ({machine['cpu']}), {machine['memory_gib']} GiB, "
         f"{machine['os']}",
         f"- Python {machine['python']}, torch {machine['torch']} "
-        f"({machine['torch_threads']} threads), {machine['redis_server'][:40]}",
+        f"(default {machine['torch_threads']} threads), "
+        f"{machine['redis_server'].split(' sha=')[0]} (embedded, AOF off)",
         f"- load average at start {machine['load_average']}, at end "
         f"{results['load_average_end']}" + (" — **shared, loaded machine: figures are noisy**"
-                                           if results["load_average_end"][0] >= 1 else ""),
+                                           if max(machine["load_average"][0],
+                                                  results["load_average_end"][0]) >= 1 else ""),
         "",
         "## Corpus",
         "",
