@@ -6,18 +6,14 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
+import numpy
+
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between closest ranks, as numpy's default."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    """The q-th percentile (0-100), linear between closest ranks; NaN for no values."""
+    return float(numpy.percentile(values, q)) if len(values) else math.nan
 
 
 def percentiles(values: Sequence[float], qs: Iterable[float] = (50, 95, 99)) -> dict[str, float]:
