@@ -149,7 +149,8 @@ def redis_floor(client: redis.Redis, stream: str, payloads: Sequence[bytes], rep
     xadd_rate = stage(client, stream, payloads, reply_to)
     reader = StreamReader(client, stream, DEFAULT_GROUP, "bench-floor")
     reader.draining_own_pending = False
-    replier = Replier(client, stream, DEFAULT_GROUP, "bench-floor", ttl_ms)
+    replier = Replier(client, stream, DEFAULT_GROUP, "bench-floor", ttl_ms,
+                      answered_key=f"{stream}:answered")
     answered = 0
     started = time.perf_counter()
     while answered < len(payloads):
@@ -159,5 +160,5 @@ def redis_floor(client: redis.Redis, stream: str, payloads: Sequence[bytes], rep
     serve_rate = answered / (time.perf_counter() - started)
     stats = client.info("commandstats")
     server_us = sum(stats.get(f"cmdstat_{name}", {}).get("usec", 0) for name in TOP_LEVEL)
-    client.delete(reply_to, stream)
+    client.delete(reply_to, stream, f"{stream}:answered")
     return Floor(xadd_rate, serve_rate, server_us / len(payloads))

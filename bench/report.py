@@ -211,7 +211,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         "## Overhead: echo (no delay) through one worker process vs Redis itself",
         "",
         f"{overhead['requests']} requests queued at once. Redis's own rate: the same commands per "
-        "request (XREADGROUP COUNT 256, then the worker's reply script: LPUSH + PEXPIRE + XACK "
+        "request (XREADGROUP COUNT 256, then the worker's own reply script: LPUSH + PEXPIRE + XACK "
         "after the ownership check) issued by a bare loop with the worker's own reader and "
         "replier, nothing else.",
         "",
