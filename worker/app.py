@@ -183,4 +183,4 @@ def serve(settings: Settings) -> int:
             worker.run()
         finally:
             sampler.stop()
-    return 0
+    return 1 if worker.failed else 0

@@ -106,6 +106,15 @@ class Bucket:
         self.longest = max((p.item.length for p in self.items), default=0)
         return chosen
 
+    def take_at_least(self, length: float, count: int) -> list[Pending]:
+        """Remove and return up to `count` of the oldest requests at least `length` long."""
+        chosen = [p for p in self.items if p.item.length >= length][:count]
+        if chosen:
+            taken = {id(p) for p in chosen}
+            self.items = [p for p in self.items if id(p) not in taken]
+            self.longest = max((p.item.length for p in self.items), default=0)
+        return chosen
+
 
 class Batcher:
     """Length-bucketed dynamic batching.
@@ -114,13 +123,19 @@ class Batcher:
     request has waited `max_wait_s`. Among ready buckets the one holding the oldest request
     goes first, so no bucket starves; within a bucket higher priority goes first.
     `caps`, when given, supplies each bucket's limits (the memory governor's caps).
+
+    A batch that leaves before it is full is topped up from shorter buckets with requests
+    at least `fill_ratio` times its longest: under light load requests spread thinly over
+    many fine buckets, and one batch of similar lengths costs less than several of one.
     """
 
     def __init__(self, boundaries: Sequence[int], limits: BatchLimits,
-                 caps: Callable[[int], BatchLimits] | None = None) -> None:
+                 caps: Callable[[int], BatchLimits] | None = None,
+                 fill_ratio: float = 0.5) -> None:
         self.boundaries = list(boundaries)
         self.limits = limits
         self.caps = caps
+        self.fill_ratio = fill_ratio
         self.buckets = [Bucket() for _ in range(len(self.boundaries) + 1)]
         self._seq = 0
         self._size = 0
@@ -158,7 +173,9 @@ class Batcher:
         if not ready:
             return None
         _, index = min(ready)
-        taken = self.buckets[index].take(self.limits_of(index))
+        limits = self.limits_of(index)
+        taken = self.buckets[index].take(limits)
+        taken += self._top_up(index, taken, limits)
         self._size -= len(taken)
         batch = Batch(index, [])
         for pending in taken:
@@ -166,6 +183,18 @@ class Batcher:
             alive = deadline is None or deadline > now_ms
             (batch.members if alive else batch.expired).append(pending)
         return batch
+
+    def _top_up(self, index: int, members: list[Pending], limits: BatchLimits) -> list[Pending]:
+        """Shorter waiting requests that fit the batch without raising its longest."""
+        longest = max(p.item.length for p in members)
+        shortest_welcome = longest * self.fill_ratio
+        capacity = min(limits.max_batch_size, limits.max_batch_tokens // longest) - len(members)
+        extra: list[Pending] = []
+        for lower in range(index - 1, -1, -1):
+            if len(extra) >= capacity or self.boundaries[lower] < shortest_welcome:
+                break  # full, or this bucket and all below hold only shorter requests
+            extra += self.buckets[lower].take_at_least(shortest_welcome, capacity - len(extra))
+        return extra
 
     def seconds_until_ready(self, now: float) -> float | None:
         """How long until some bucket's oldest request reaches max_wait; None when empty."""

@@ -31,7 +31,10 @@ for i = 3, #KEYS do
   local entry_id = ARGV[2 * i - 2]
   local owned = redis.call('XPENDING', stream, group, entry_id, entry_id, 1, consumer)
   if #owned == 1 then
-    if type(redis.pcall('LPUSH', KEYS[i], ARGV[2 * i - 1])) == 'number' then
+    local kind = redis.call('TYPE', KEYS[i])['ok']
+    if kind == 'list' or kind == 'none' then
+      -- A refused write (OOM under noeviction) aborts the script before anything is written.
+      redis.call('LPUSH', KEYS[i], ARGV[2 * i - 1])
       redis.call('PEXPIRE', KEYS[i], ttl)
     else
       undeliverable[#undeliverable + 1] = entry_id

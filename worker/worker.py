@@ -74,6 +74,17 @@ def entry_time_ms(entry_id: str) -> int:
     return int(entry_id.partition("-")[0])
 
 
+TRANSIENT_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError,
+                          redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+
+
+def is_transient(exc: redis.RedisError) -> bool:
+    """Worth waiting out: Redis unreachable, loading its data, full (noeviction: Redis 6.2
+    reports it inside a script error) or read-only during a failover. Anything else is a bug
+    or a misconfiguration."""
+    return isinstance(exc, TRANSIENT_REDIS_ERRORS) or "OOM command not allowed" in str(exc)
+
+
 class ShutdownExpired(Exception):
     """The shutdown grace has passed: stop waiting for Redis; unanswered entries stay pending."""
 
@@ -121,13 +132,15 @@ class Worker:
         self.runner = BatchRunner(executor, self.governor,
                                   memory_probe(executor.device, settings.memory_limit_bytes),
                                   self.name)
-        self.batcher = Batcher(boundaries, limits, caps=self.governor.limits)
+        self.batcher = Batcher(boundaries, limits, caps=self.governor.limits,
+                               fill_ratio=settings.fill_ratio)
         self._lock = threading.Condition()  # guards batcher, _held and _reading
         self._held: set[str] = set()  # entry ids read and not yet answered
         self._reading = True
         self._answers: queue.Queue[list[Answer] | None] = queue.Queue()
         self.stopping = threading.Event()
         self.ready = threading.Event()
+        self.failed = False
         self._give_up_at = float("inf")  # monotonic time at which the shutdown grace ends
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -152,6 +165,14 @@ class Worker:
             reader.join()
             log.info("worker.stopped", consumer=self.settings.consumer)
 
+    def _fail(self, thread: str) -> None:
+        """A bug or an unexpected Redis reply in a worker thread: stop with a failure status
+        rather than hang. Entries not yet answered stay pending, for this worker's restart
+        or another worker to claim."""
+        log.exception("worker.thread_failed", thread=thread)
+        self.failed = True
+        self.stop()
+
     def stop(self) -> None:
         """Stop reading; what is held is answered until `shutdown_grace_s` has passed."""
         if not self.stopping.is_set():
@@ -175,6 +196,8 @@ class Worker:
                     self._admit(self._retry(self._next_entries, room))
         except ShutdownExpired:
             pass
+        except Exception:
+            self._fail("reader")
         finally:
             with self._lock:
                 self._reading = False
@@ -349,6 +372,8 @@ class Worker:
             self._write_replies()
         except ShutdownExpired:
             log.warning("worker.grace_expired", left_pending=len(self._held))
+        except Exception:
+            self._fail("replier")
 
     def _write_replies(self) -> None:
         while (answers := self._next_answers()) is not None:
@@ -398,13 +423,15 @@ class Worker:
     # --- Redis faults -------------------------------------------------------------------------
 
     def _retry(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run a Redis operation, retrying connection faults with backoff until it succeeds,
+        """Run a Redis operation, retrying transient faults with backoff until it succeeds,
         or until the shutdown grace has passed (ShutdownExpired)."""
         delays = backoff_delays()
         while True:
             try:
                 return operation(*args)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.RedisError as exc:
+                if not is_transient(exc):
+                    raise
                 left = self._give_up_at - time.monotonic()
                 if left <= 0:
                     raise ShutdownExpired from exc
