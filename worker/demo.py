@@ -26,25 +26,29 @@ SAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sentences.txt"
 QUERIES = ("How do I read a compressed file?", "Run a function in another thread.")
 
 
-def settings_env(settings: Settings, url: str) -> dict[str, str]:
+def settings_env(settings: Settings, url: str, consumer: str) -> dict[str, str]:
     """The demo's settings handed to the worker process as REDBATCH_* variables."""
     env = dict(os.environ)
     for name, value in settings.model_dump(mode="json").items():
-        env[f"REDBATCH_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+        if value is not None:  # unset optional settings keep their defaults
+            env[f"REDBATCH_{name.upper()}"] = (value if isinstance(value, str)
+                                               else json.dumps(value))
     env["REDBATCH_REDIS_URL"] = url
-    env.pop("REDBATCH_CONSUMER")  # the worker names itself after its own pid
+    env["REDBATCH_CONSUMER"] = consumer
     return env
 
 
-def wait_until_serving(client: redis.Redis, stream: str, group: str,
+def wait_until_serving(client: redis.Redis, stream: str, group: str, consumer: str,
                        process: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    """A worker joins the group with its first read, which comes after the model is loaded."""
+    """A worker joins the group with its first read, which comes after the model is loaded.
+    (The embedded Redis keeps its data, so the group may hold consumers of earlier runs.)"""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise StartupError(f"the worker exited with status {process.returncode}")
         try:
-            if client.xinfo_consumers(stream, group):
+            if any(c["name"] in (consumer, consumer.encode())
+                   for c in client.xinfo_consumers(stream, group)):
                 return
         except redis.ResponseError:
             pass  # the group does not exist yet
@@ -96,12 +100,13 @@ def run_demo(settings: Settings, sentences: Path | None, count: int) -> int:
     except OSError as exc:
         raise StartupError(f"cannot read sample texts: {exc}") from None
     with redis_url(settings) as url:
+        consumer = f"demo-{os.getpid()}"
         worker = subprocess.Popen([sys.executable, "-m", "worker", "run"],
-                                  env=settings_env(settings, url))
+                                  env=settings_env(settings, url, consumer))
         try:
             client = Client(url, settings.model_name, namespace=settings.namespace)
             print(f"Waiting for the {settings.model} worker to load its model...", flush=True)
-            wait_until_serving(client.redis, client.stream, settings.group, worker)
+            wait_until_serving(client.redis, client.stream, settings.group, consumer, worker)
             print(f"Embedding {len(texts)} texts from {source.name} through {url}", flush=True)
             summary = run_requests(client, [{"text": t} for t in texts], timeout=600,
                                    progress=sys.stderr.isatty())
