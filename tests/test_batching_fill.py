@@ -1,4 +1,4 @@
-"""Topping up an unfilled batch from shorter buckets (pure policy, no Redis)."""
+"""Topping up an unfilled batch from nearby buckets (pure policy, no Redis)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ def test_an_aged_batch_takes_shorter_requests_down_to_the_ratio() -> None:
     assert lengths(batcher) == [7]  # the oldest of the two left
     assert lengths(batcher) == [30]
     assert len(batcher) == 0
+
+
+def test_longer_requests_join_while_the_shortest_stays_within_the_ratio() -> None:
+    batcher = Batcher(BOUNDARIES, BatchLimits(16, 10_000, 0.005), fill_ratio=0.5)
+    add_in_order(batcher, 18, 30, 24, 40)
+    # 30 and 24 keep 18 >= half the longest; 40 would not (18 < 20) and waits.
+    assert lengths(batcher) == [18, 24, 30]
+    assert lengths(batcher) == [40]
 
 
 def test_top_up_respects_the_request_and_token_caps() -> None:

@@ -106,14 +106,11 @@ class Bucket:
         self.longest = max((p.item.length for p in self.items), default=0)
         return chosen
 
-    def take_at_least(self, length: float, count: int) -> list[Pending]:
-        """Remove and return up to `count` of the oldest requests at least `length` long."""
-        chosen = [p for p in self.items if p.item.length >= length][:count]
-        if chosen:
-            taken = {id(p) for p in chosen}
+    def remove(self, taken: set[int]) -> None:
+        """Drop the requests whose id() is in `taken` (moved into another bucket's batch)."""
+        if any(id(p) in taken for p in self.items):
             self.items = [p for p in self.items if id(p) not in taken]
             self.longest = max((p.item.length for p in self.items), default=0)
-        return chosen
 
 
 class Batcher:
@@ -124,9 +121,10 @@ class Batcher:
     goes first, so no bucket starves; within a bucket higher priority goes first.
     `caps`, when given, supplies each bucket's limits (the memory governor's caps).
 
-    A batch that leaves before it is full is topped up from shorter buckets with requests
-    at least `fill_ratio` times its longest: under light load requests spread thinly over
-    many fine buckets, and one batch of similar lengths costs less than several of one.
+    A batch that leaves before it is full is topped up with the oldest requests of nearby
+    buckets, as long as every member stays at least `fill_ratio` times the longest: under
+    light load requests spread thinly over many fine buckets, and one batch of similar
+    lengths costs less than several of one.
     """
 
     def __init__(self, boundaries: Sequence[int], limits: BatchLimits,
@@ -185,16 +183,34 @@ class Batcher:
         return batch
 
     def _top_up(self, index: int, members: list[Pending], limits: BatchLimits) -> list[Pending]:
-        """Shorter waiting requests that fit the batch without raising its longest."""
+        """The oldest requests of nearby buckets that keep every member of the batch at least
+        `fill_ratio` times its longest, within the caps."""
+        if len(members) >= limits.max_batch_size:
+            return []
+        shortest = min(p.item.length for p in members)
         longest = max(p.item.length for p in members)
-        shortest_welcome = longest * self.fill_ratio
-        capacity = min(limits.max_batch_size, limits.max_batch_tokens // longest) - len(members)
+        nearby = [p for j, bucket in enumerate(self.buckets) if j != index
+                  and self._reachable(j, longest * self.fill_ratio, shortest / self.fill_ratio)
+                  for p in bucket.items]
         extra: list[Pending] = []
-        for lower in range(index - 1, -1, -1):
-            if len(extra) >= capacity or self.boundaries[lower] < shortest_welcome:
-                break  # full, or this bucket and all below hold only shorter requests
-            extra += self.buckets[lower].take_at_least(shortest_welcome, capacity - len(extra))
+        for pending in sorted(nearby, key=lambda p: p.seq):
+            length = pending.item.length
+            new_shortest, new_longest = min(shortest, length), max(longest, length)
+            size = len(members) + len(extra) + 1
+            if (size <= limits.max_batch_size and size * new_longest <= limits.max_batch_tokens
+                    and new_shortest >= new_longest * self.fill_ratio):
+                extra.append(pending)
+                shortest, longest = new_shortest, new_longest
+        for j, bucket in enumerate(self.buckets):
+            if j != index:
+                bucket.remove({id(p) for p in extra})
         return extra
+
+    def _reachable(self, index: int, low: float, high: float) -> bool:
+        """Whether bucket `index` can hold a length in [low, high]."""
+        bucket_low = self.boundaries[index - 1] + 1 if index else 0
+        bucket_high = self.boundaries[index] if index < len(self.boundaries) else float("inf")
+        return bool(self.buckets[index].items) and bucket_low <= high and bucket_high >= low
 
     def seconds_until_ready(self, now: float) -> float | None:
         """How long until some bucket's oldest request reaches max_wait; None when empty."""

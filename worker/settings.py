@@ -45,8 +45,8 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(5.0, ge=0)
     bucket_boundaries: list[int] | None = Field(None, description="None: the model's default")
     fill_ratio: float = Field(0.5, gt=0, le=1, description=(
-        "a batch leaving unfilled takes shorter requests down to this fraction of its "
-        "longest from lower buckets; 1 keeps buckets apart"))
+        "a batch leaving unfilled takes the oldest requests of nearby buckets while every "
+        "member stays at least this fraction of the longest; 1 keeps buckets apart"))
     max_inflight: int = Field(512, gt=0, description="entries read but not yet answered")
     read_count: int = Field(256, gt=0, description="most entries per XREADGROUP")
     block_ms: int = Field(1000, gt=0, description="XREADGROUP BLOCK; never 0")
