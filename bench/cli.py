@@ -62,7 +62,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         best = results["offline_configs"] = bench.best_offline()
         batch_size, threads = best["batch_size"], best["torch_threads"]
         with ExitStack() as stack:
-            pools = bench.start_workers(stack, batch_size)
+            pools = bench.start_workers(stack, batch_size, threads)
             results["saturation"] = bench.saturation(pools, batch_size, threads)
             results["latency"] = bench.latency(pools["redbatch"],
                                                results["saturation"]["redbatch"]["median"])

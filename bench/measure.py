@@ -37,11 +37,6 @@ def offline_rate(model: Model, texts: Sequence[str], batch_size: int, threads: i
     return len(texts) / (time.perf_counter() - started)
 
 
-def worker_torch_threads() -> int:
-    """A worker's compute thread leaves one core to its reader (decoding, tokenising), its
-    replier and Redis; the offline limit has no such neighbours and gets its best count."""
-    return max(1, usable_cpus() - 1)
-
 
 def batches_of(envelopes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One meta per batch: replies of a batch share worker, size and compute time."""
@@ -95,10 +90,11 @@ class Benchmark:
     def thread_counts(self) -> list[int]:
         return sorted({1, usable_cpus()})
 
-    def pool_settings(self, batch_size: int) -> dict[str, tuple[int, dict[str, Any]]]:
+    def pool_settings(self, batch_size: int,
+                      threads: int) -> dict[str, tuple[int, dict[str, Any]]]:
         """Every worker pool of the run: process count and settings, by name."""
         corpus = {**self.model_settings, "max_batch_size": batch_size, "max_wait_ms": 5.0,
-                  "torch_threads": worker_torch_threads()}
+                  "torch_threads": threads}  # the offline limit's best count: same footing
         echo = {"model": "echo", "model_options": {}}
         delay = {"model": "echo", "model_options": {"delay_ms": self.plan.delay_ms},
                  "max_batch_size": 32, "read_count": 32, "max_inflight": 96}
@@ -110,11 +106,12 @@ class Benchmark:
             **{f"scale{n}": (n, delay) for n in self.plan.scaling_processes},
         }
 
-    def start_workers(self, stack: ExitStack, batch_size: int) -> dict[str, Workers]:
+    def start_workers(self, stack: ExitStack, batch_size: int,
+                      threads: int) -> dict[str, Workers]:
         """Start every pool at once, wait until all read, and warm each one up."""
         pools = {name: stack.enter_context(Workers(self.redis_url, f"bench-{name}", count,
                                                    self.log_dir, **settings))
-                 for name, (count, settings) in self.pool_settings(batch_size).items()}
+                 for name, (count, settings) in self.pool_settings(batch_size, threads).items()}
         for pool in pools.values():
             pool.wait_until_reading()
             self.warm_up(pool)

@@ -67,24 +67,14 @@ def redis_url(settings: Settings) -> Iterator[str]:
         yield server.url
 
 
-def default_torch_threads(device: torch.device) -> int | None:
-    """On the CPU, one core is left to tokenising, replies and Redis: with every core in
-    torch's pool they fight it (bench: MiniLM batch 16 at 68 texts/s on 1 thread of 2 cores,
-    26 on 2). On CUDA the host threads matter little: torch's default."""
-    if device.type != "cpu":
-        return None
-    return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
 def load_model(settings: Settings) -> tuple[Model, torch.device]:
     try:
         model = create_model(settings.model, settings.model_options)
         device = resolve_device(settings.device)
     except (ModelLoadError, ValueError) as exc:
         raise StartupError(str(exc)) from None
-    threads = settings.torch_threads or default_torch_threads(device)
-    if threads:
-        torch.set_num_threads(threads)
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
     started = time.perf_counter()
     try:
         model.load(device)

@@ -37,8 +37,8 @@ class Settings(BaseSettings):
     model_name: str = Field("", description="name in the stream key; default derived from model")
     model_options: dict[str, Any] = Field(default_factory=dict)
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: on the "
-                               "CPU one per core but one, on CUDA torch's default")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: torch's "
+                               "default (one per core). Fewer helps on a shared, loaded CPU")
 
     max_batch_size: int = Field(32, gt=0)
     max_batch_tokens: int = Field(8192, gt=0, description="cap on n x longest per batch")
