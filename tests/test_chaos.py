@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -64,6 +65,17 @@ def hold_entries(r: redis.Redis, worker: WorkerProcess, replies: Replies, name: 
                interval=0.005)
 
 
+def two_workers_a_holding_entries(url: str, r: redis.Redis,
+                                  spawn: Any) -> tuple[WorkerProcess, list[str], Replies]:
+    """Workers "a" and "b" serving the load, once "a" holds unanswered entries."""
+    a, b = spawn(url, "a"), spawn(url, "b")
+    a.wait_serving()
+    b.wait_serving()
+    ids, replies = submit(url)
+    hold_entries(r, a, replies, "a")
+    return a, ids, replies
+
+
 def assert_exactly_once(r: redis.Redis, ids: list[str], replies: Replies) -> None:
     assert set(replies.counts) == set(ids)
     assert replies.duplicates == 0, replies.counts.most_common(3)
@@ -74,12 +86,7 @@ def assert_exactly_once(r: redis.Redis, ids: list[str], replies: Replies) -> Non
 
 def test_kill_9_mid_load_every_request_answered_once(redis_url: str, r: redis.Redis,
                                                      spawn) -> None:
-    a = spawn(redis_url, "a")
-    b = spawn(redis_url, "b")
-    a.wait_serving()
-    b.wait_serving()
-    ids, replies = submit(redis_url)
-    hold_entries(r, a, replies, "a")
+    a, ids, replies = two_workers_a_holding_entries(redis_url, r, spawn)
     a.process.kill()
     killed_at = time.monotonic()
     a.process.wait()
@@ -98,12 +105,7 @@ def test_kill_9_mid_load_every_request_answered_once(redis_url: str, r: redis.Re
 
 def test_frozen_worker_whose_entries_were_claimed_does_not_answer_again(
         redis_url: str, r: redis.Redis, spawn) -> None:
-    a = spawn(redis_url, "a")
-    b = spawn(redis_url, "b")
-    a.wait_serving()
-    b.wait_serving()
-    ids, replies = submit(redis_url)
-    hold_entries(r, a, replies, "a")
+    a, ids, replies = two_workers_a_holding_entries(redis_url, r, spawn)
     a.signal(signal.SIGSTOP)
     frozen = request_ids(r, STREAM, pending(r, STREAM, consumer="a"))
     assert frozen, "a answered everything before it froze"
