@@ -333,23 +333,23 @@ class Worker:
             return answers + [error_answer(p.entry_id, p.request, ErrorCode.MODEL_ERROR, message)
                               for p in batch.members]
         compute_s, started_ms = job.compute_s, job.started_ms
-        self._observe(batch, compute_s, started_ms)
+        queue_ms = [max(0.0, started_ms - entry_time_ms(p.entry_id)) for p in batch.members]
+        self._observe(batch, compute_s, queue_ms)
         meta = {"model": self.name, "batch_size": len(batch.members),
                 "compute_ms": round(compute_s * 1000, 3), "worker": self.settings.consumer,
                 "bucket": batch.bucket, "padded_length": batch.longest}
-        for pending, result in zip(batch.members, results, strict=True):
+        for pending, result, waited_ms in zip(batch.members, results, queue_ms, strict=True):
             request = pending.request
             if isinstance(result, TooLarge):
                 answers.append(error_answer(pending.entry_id, request, ErrorCode.TOO_LARGE,
                                             result.message))
                 continue
-            queue_ms = max(0.0, started_ms - entry_time_ms(pending.entry_id))
             answers.append(Answer(pending.entry_id, request.reply_to, request.content_type,
                                   protocol.success_envelope(request.id, result, {
-                                      **meta, "queue_ms": round(queue_ms, 3)})))
+                                      **meta, "queue_ms": round(waited_ms, 3)})))
         return answers
 
-    def _observe(self, batch: Batch, compute_s: float, started_ms: float) -> None:
+    def _observe(self, batch: Batch, compute_s: float, queue_ms: list[float]) -> None:
         bucket = str(batch.bucket)
         real, padded = batch.real_tokens, batch.padded_tokens
         metrics.BATCH_SIZE.labels(self.name, bucket).observe(len(batch.members))
@@ -359,8 +359,8 @@ class Worker:
         metrics.PADDED_TOKENS_TOTAL.labels(self.name).inc(padded)
         metrics.COMPUTE_TIME.labels(self.name).observe(compute_s)
         queue_wait = metrics.QUEUE_WAIT.labels(self.name)
-        for pending in batch.members:
-            queue_wait.observe(max(0.0, started_ms - entry_time_ms(pending.entry_id)) / 1000)
+        for waited_ms in queue_ms:
+            queue_wait.observe(waited_ms / 1000)
         log.debug("batch.done", bucket=batch.bucket, size=len(batch.members), longest=batch.longest,
                   padding_efficiency=round(real / padded, 3) if padded else 1.0,
                   compute_ms=round(compute_s * 1000, 2))
