@@ -227,3 +227,26 @@ def test_stats_explains_a_missing_or_unreachable_redis(
     assert "REDBATCH_REDIS_URL" in capsys.readouterr().err
     assert main(["stats", "--redis-url", "redis://127.0.0.1:1/0", "--interval", "0"]) == 2
     assert "cannot read stats" in capsys.readouterr().err
+
+
+def test_observe_all_counts_exactly_as_observe_does() -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from worker.metrics import LATENCY_BUCKETS, observe_all
+
+    registry = CollectorRegistry()
+    one = Histogram("one_by_one", "", ["m"], buckets=LATENCY_BUCKETS, registry=registry)
+    bulk = Histogram("all_at_once", "", ["m"], buckets=LATENCY_BUCKETS, registry=registry)
+    values = [0.0, 0.001, 0.0011, 0.3, 0.5, 0.5, 59.9, 60.0, 61.0, 1e9]  # on, between, above
+    for value in values:
+        one.labels("x").observe(value)
+    observe_all(bulk.labels("x"), values)
+    observe_all(bulk.labels("x"), [])
+
+    def samples(name: str) -> list[tuple[str, dict[str, str], float]]:
+        family = next(f for f in registry.collect() if f.name == name)
+        return [(s.name.removeprefix(name), s.labels, s.value) for s in family.samples
+                if not s.name.endswith("_created")]
+
+    assert samples("one_by_one") == samples("all_at_once")
+    assert ("_count", {"m": "x"}, 10.0) in samples("all_at_once")

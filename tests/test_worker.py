@@ -98,6 +98,31 @@ def test_replier_answers_only_entries_this_consumer_owns(r: redis.Redis) -> None
     assert r.get("answered") == b"1"  # counted once: the dropped late reply is not
 
 
+def test_replier_handles_a_mixed_call_in_one_script(r: redis.Redis) -> None:
+    """Out-of-order ids over several milliseconds: the owned ones are answered and acked,
+    a claimed one is dropped, a reply key of the wrong type is acked without a reply."""
+    r.xgroup_create(STREAM, "workers", id="0", mkstream=True)
+    ids = [r.xadd(STREAM, {"id": f"e{i}", "payload": b"x"}, id=f"{1000 + i // 2}-{i}").decode()
+           for i in range(5)]
+    r.xreadgroup("workers", "owner", {STREAM: ">"})
+    r.xclaim(STREAM, "workers", "thief", 0, [ids[1]])
+    r.set("reply:wrong", "not a list")
+    before = metric("redbatch_unanswerable_entries_total", model="echo", reason="reply_key_type")
+    owner = Replier(r, STREAM, "workers", "owner", 60_000, "answered")
+    keys = {i: ("reply:wrong" if i == 3 else f"reply:{i}") for i in range(5)}
+    dropped = owner.send([Reply(ids[i], keys[i], f"answer {i}".encode()) for i in (4, 1, 0, 3, 2)])
+    assert dropped == [ids[1]]
+    for i in (0, 2, 4):
+        assert r.lrange(f"reply:{i}", 0, -1) == [f"answer {i}".encode()]
+        assert 0 < r.pttl(f"reply:{i}") <= 60_000
+    assert not r.exists("reply:1") and r.get("reply:wrong") == b"not a list"
+    assert [p["message_id"].decode() for p in r.xpending_range(STREAM, "workers", "-", "+", 10)] \
+        == [ids[1]]  # only the thief's entry is still pending
+    assert r.get("answered") == b"4"
+    assert metric("redbatch_unanswerable_entries_total", model="echo",
+                  reason="reply_key_type") == before + 1
+
+
 def test_mixed_lengths_are_batched_by_bucket(client: Client,
                                              worker_factory: Callable[..., Any]) -> None:
     boundaries = [16, 64, 256]

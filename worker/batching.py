@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -75,15 +76,26 @@ def take_members(candidates: Sequence[Pending], limits: BatchLimits) -> list[Pen
 
 
 class Bucket:
-    """Requests of similar length, kept in arrival order (so items[0] is the oldest)."""
+    """Requests of similar length, kept in arrival order (so items[0] is the oldest).
+
+    It counts its lengths and its prioritised requests as they come and go, so taking a
+    batch costs the batch, not the whole bucket (a bucket can hold `max_inflight` requests).
+    """
 
     def __init__(self) -> None:
         self.items: list[Pending] = []
         self.longest = 0
+        self._lengths: Counter[int] = Counter()
+        self._prioritised = 0
 
     def add(self, pending: Pending) -> None:
         self.items.append(pending)
-        self.longest = max(self.longest, pending.item.length)
+        length = pending.item.length
+        self._lengths[length] += 1
+        if length > self.longest:
+            self.longest = length
+        if pending.request.priority:
+            self._prioritised += 1
 
     def oldest_read_at(self) -> float:
         return self.items[0].read_at
@@ -94,23 +106,35 @@ class Bucket:
 
     def take(self, limits: BatchLimits) -> list[Pending]:
         """Remove and return the next batch: highest priority first, then oldest first."""
-        if any(p.request.priority for p in self.items):
+        if self._prioritised:
             order = heapq.nsmallest(limits.max_batch_size, self.items,
                                     key=lambda p: (-p.request.priority, p.seq))
             chosen = take_members(order, limits)
-            taken = {id(p) for p in chosen}
-            self.items = [p for p in self.items if id(p) not in taken]
+            self.remove({id(p) for p in chosen})
         else:
             chosen = take_members(self.items, limits)
             del self.items[: len(chosen)]
-        self.longest = max((p.item.length for p in self.items), default=0)
+            self._forget(chosen)
         return chosen
 
     def remove(self, taken: set[int]) -> None:
         """Drop the requests whose id() is in `taken` (moved into another bucket's batch)."""
-        if any(id(p) in taken for p in self.items):
+        removed = [p for p in self.items if id(p) in taken]
+        if removed:
             self.items = [p for p in self.items if id(p) not in taken]
-            self.longest = max((p.item.length for p in self.items), default=0)
+            self._forget(removed)
+
+    def _forget(self, removed: list[Pending]) -> None:
+        lengths = self._lengths
+        for pending in removed:
+            length = pending.item.length
+            lengths[length] -= 1
+            if not lengths[length]:
+                del lengths[length]
+            if pending.request.priority:
+                self._prioritised -= 1
+        if self.longest not in lengths:
+            self.longest = max(lengths, default=0)
 
 
 class Batcher:

@@ -116,7 +116,8 @@ class Governor:
             return False
         if self._calm_since is None:
             self._calm_since = now
-        if now - max(self._calm_since, self._last_change) < policy.grow_after_s:
+        if (now - max(self._calm_since, self._last_change) < policy.grow_after_s
+                or self.caps == self.base):  # nothing to grow back (the usual case)
             return False
         self._forgive(now)
         return self._set_all(self._grow, now)

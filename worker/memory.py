@@ -8,6 +8,7 @@ CPU: the process RSS against `memory_limit_bytes`, else the cgroup limit, else p
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -18,6 +19,7 @@ from worker.governor import MemoryReading
 
 CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
                       Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))  # cgroup v1
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a huge number
 # A failed batch's garbage is young: collecting the young generations frees any of it caught
 # in reference cycles in about a millisecond; a full collection can take a fifth of a second.
@@ -33,6 +35,13 @@ class MemoryProbe(Protocol):
 
     def release_cache(self) -> None:
         """Give cached, unused memory back (after an OOM, or when fragmented)."""
+
+
+def _open_statm() -> int | None:
+    try:
+        return os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:  # not Linux
+        return None
 
 
 def cgroup_memory_limit(files: tuple[Path, ...] = CGROUP_LIMIT_FILES) -> int | None:
@@ -54,12 +63,20 @@ class HostMemory:
     def __init__(self, limit_bytes: int | None = None) -> None:
         self.limit = limit_bytes or cgroup_memory_limit() or psutil.virtual_memory().total
         self._process = psutil.Process()
+        self._statm = _open_statm()
 
     def before_batch(self) -> None:
         pass
 
     def read(self) -> MemoryReading:
-        return MemoryReading(used=self._process.memory_info().rss, limit=self.limit)
+        return MemoryReading(used=self.rss(), limit=self.limit)
+
+    def rss(self) -> int:
+        """Read after every batch: on Linux one pread of /proc/self/statm on a file kept
+        open (a few microseconds; psutil opens the file each time, ten times slower)."""
+        if self._statm is None:
+            return int(self._process.memory_info().rss)
+        return int(os.pread(self._statm, 256, 0).split()[1]) * PAGE_SIZE
 
     def release_cache(self) -> None:
         gc.collect(YOUNG)

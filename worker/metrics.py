@@ -7,7 +7,10 @@ child writes its samples there, and gauges say how the children's values combine
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from bisect import bisect_left
+from collections import Counter as Tally
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.exposition import ThreadingWSGIServer
@@ -83,6 +86,24 @@ REDELIVERIES = Counter("redbatch_redeliveries", "Entries read that had been deli
                        ["model"])
 DEAD_LETTERS = Counter("redbatch_dead_letters", "Entries moved to the dead-letter stream",
                        ["model"])
+
+
+def observe_all(histogram: Any, values: Sequence[float]) -> None:
+    """Observe many values of one labelled histogram at once, as observe() would each.
+
+    Written by hand: prometheus-client has no bulk observe, and one observe() per request
+    (two locked increments and a scan of the buckets) is a tenth of the echo worker's time
+    per request. Falls back to observe() should the library's internals change.
+    """
+    bounds, buckets, total = (getattr(histogram, name, None)
+                              for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None:
+        for value in values:
+            histogram.observe(value)
+        return
+    for index, count in Tally(bisect_left(bounds, value) for value in values).items():
+        buckets[index].inc(count)
+    total.inc(sum(values))
 
 
 def registry() -> CollectorRegistry:

@@ -25,31 +25,63 @@ REPLY_AND_ACK = """
 -- Returns {ids not answered because this consumer no longer owns them, ids whose reply key
 -- holds another type than a list (a producer's mistake: acked all the same, or they would
 -- come back forever)}.
+-- Per entry it costs one LPUSH, plus one PEXPIRE per distinct reply key: ownership is read
+-- with one XPENDING over the range of the ids, and the answered ones go in one XACK.
 local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
-local dropped, undeliverable = {}, {}
-for i = 3, #KEYS do
-  local entry_id = ARGV[2 * i - 2]
-  local owned = redis.call('XPENDING', stream, group, entry_id, entry_id, 1, consumer)
-  if #owned == 1 then
-    local kind = redis.call('TYPE', KEYS[i])['ok']
-    if kind == 'list' or kind == 'none' then
-      -- A refused write (OOM under noeviction) aborts the script before anything is written.
-      redis.call('LPUSH', KEYS[i], ARGV[2 * i - 1])
-      redis.call('PEXPIRE', KEYS[i], ttl)
-    else
-      undeliverable[#undeliverable + 1] = entry_id
-    end
-    redis.call('XACK', stream, group, entry_id)
-  else
-    dropped[#dropped + 1] = entry_id
+local n = #KEYS - 2
+
+local function parse(id)  -- stream ids order by (ms, seq)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local first, last = ARGV[4], ARGV[4]
+local first_ms, first_seq = parse(first)
+local last_ms, last_seq = first_ms, first_seq
+for i = 2, n do
+  local id = ARGV[2 * i + 2]
+  local ms, seq = parse(id)
+  if ms < first_ms or (ms == first_ms and seq < first_seq) then
+    first, first_ms, first_seq = id, ms, seq
+  end
+  if ms > last_ms or (ms == last_ms and seq > last_seq) then
+    last, last_ms, last_seq = id, ms, seq
   end
 end
-redis.call('INCRBY', KEYS[2], #KEYS - 2 - #dropped)  -- acked, so off the backlog
+local owned = {}
+for _, p in ipairs(redis.call('XPENDING', stream, group, first, last, 1000000000, consumer)) do
+  owned[p[1]] = true
+end
+
+local dropped, undeliverable, acked, expiring = {}, {}, {}, {}
+for i = 1, n do
+  local id, key = ARGV[2 * i + 2], KEYS[i + 2]
+  if owned[id] then
+    owned[id] = nil  -- an id given twice is answered once
+    local pushed = redis.pcall('LPUSH', key, ARGV[2 * i + 3])
+    if type(pushed) == 'table' and pushed.err then
+      if not string.find(pushed.err, 'WRONGTYPE', 1, true) then
+        -- e.g. OOM under noeviction: refused at the first write, so nothing is written
+        return redis.error_reply(pushed.err)
+      end
+      undeliverable[#undeliverable + 1] = id
+    elseif not expiring[key] then
+      redis.call('PEXPIRE', key, ttl)
+      expiring[key] = true
+    end
+    acked[#acked + 1] = id
+  else
+    dropped[#dropped + 1] = id
+  end
+end
+for i = 1, #acked, 1000 do  -- within Lua's limit on unpacked values
+  redis.call('XACK', stream, group, unpack(acked, i, math.min(i + 999, #acked)))
+end
+redis.call('INCRBY', KEYS[2], #acked)  -- acked, so off the backlog
 return {dropped, undeliverable}
 """
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reply:
     entry_id: str
     reply_key: str

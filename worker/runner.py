@@ -66,6 +66,8 @@ class BatchRunner:
         self.clock = clock
         self.oom_events = 0
         self.splits = 0
+        self._memory_gauges = [metrics.MEMORY_BYTES.labels(model_name, kind)  # set every batch
+                               for kind in ("used", "limit", "reserved", "allocated")]
         self._publish_caps()
 
     # --- the pipelined steps ------------------------------------------------------------------
@@ -168,9 +170,11 @@ class BatchRunner:
                      caps=[(c.requests, c.tokens) for c in self.governor.caps])
 
     def _publish_memory(self, reading: MemoryReading) -> None:
-        for kind, value in (("used", reading.used), ("limit", reading.limit),
-                            ("reserved", reading.reserved), ("allocated", reading.allocated)):
-            metrics.MEMORY_BYTES.labels(self.model_name, kind).set(value)
+        used, limit, reserved, allocated = self._memory_gauges
+        used.set(reading.used)
+        limit.set(reading.limit)
+        reserved.set(reading.reserved)
+        allocated.set(reading.allocated)
 
     def _publish_caps(self) -> None:
         for bucket, cap in enumerate(self.governor.caps):

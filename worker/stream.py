@@ -24,7 +24,7 @@ def is_group_lost(exc: redis.ResponseError) -> bool:
     return "NOGROUP" in message or message.startswith("UNBLOCKED")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
     id: str
     fields: Fields | None  # None: the entry was deleted or trimmed while pending

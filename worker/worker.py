@@ -358,9 +358,7 @@ class Worker:
         metrics.REAL_TOKENS_TOTAL.labels(self.name).inc(real)
         metrics.PADDED_TOKENS_TOTAL.labels(self.name).inc(padded)
         metrics.COMPUTE_TIME.labels(self.name).observe(compute_s)
-        queue_wait = metrics.QUEUE_WAIT.labels(self.name)
-        for waited_ms in queue_ms:
-            queue_wait.observe(waited_ms / 1000)
+        metrics.observe_all(metrics.QUEUE_WAIT.labels(self.name), [ms / 1000 for ms in queue_ms])
         log.debug("batch.done", bucket=batch.bucket, size=len(batch.members), longest=batch.longest,
                   padding_efficiency=round(real / padded, 3) if padded else 1.0,
                   compute_ms=round(compute_s * 1000, 2))
@@ -387,9 +385,8 @@ class Worker:
             answered = [a for a in answers if a.entry_id not in dropped]
             for status, count in Counter(a.status for a in answered).items():
                 metrics.REQUESTS.labels(self.name, status).inc(count)  # labels() takes a lock
-            end_to_end = metrics.END_TO_END.labels(self.name)
-            for answer in answered:
-                end_to_end.observe(max(0.0, written_ms - entry_time_ms(answer.entry_id)) / 1000)
+            metrics.observe_all(metrics.END_TO_END.labels(self.name), [
+                max(0.0, written_ms - entry_time_ms(a.entry_id)) / 1000 for a in answered])
             with self._lock:  # dropped ones are freed too: they are no longer ours
                 self._held.difference_update(a.entry_id for a in answers)
                 self._lock.notify_all()
