@@ -95,7 +95,9 @@ class Benchmark:
         """Every worker pool of the run: process count and settings, by name."""
         corpus = {**self.model_settings, "max_batch_size": batch_size, "max_wait_ms": 5.0,
                   "torch_threads": threads}  # the offline limit's best count: same footing
-        echo = {"model": "echo", "model_options": {}}
+        # No compute to wait for: big reads and batches spread the per-call costs thin.
+        echo = {"model": "echo", "model_options": {}, "max_batch_size": 512, "read_count": 1024,
+                "max_inflight": 4096}
         delay = {"model": "echo", "model_options": {"delay_ms": self.plan.delay_ms},
                  "max_batch_size": 32, "read_count": 32, "max_inflight": 96}
         return {
@@ -195,7 +197,7 @@ class Benchmark:
             "r0", {"text": self.texts[0]}, {"model": "echo", "batch_size": 32}), protocol.MSGPACK)
         worker_rates: list[float] = []
         floors = []
-        for repeat in range(self.plan.repeats):
+        for repeat in range(self.plan.overhead_repeats):
             floors.append(redis_floor(self.client, f"{pool.stream}:floor", payloads, reply,
                                       read_count=256))
             drained = drain(self.client, pool.stream, payloads)

@@ -20,6 +20,7 @@ class Plan:
     scaling_requests: int  # per process: the queue grows with the process count
     delay_ms: float = 20.0  # echo's stand-in for device time when scaling
     warmup: int = 64  # requests through each worker before timing
+    overhead_repeats: int = 5  # the echo measurement takes seconds: more repeats, steadier
 
 
 PLANS = {
@@ -31,5 +32,6 @@ PLANS = {
                   echo_requests=20_000, scaling_processes=(1, 2, 4), scaling_requests=1200),
     "smoke": Plan("smoke", corpus_size=60, corpus_files=20, repeats=1, batch_sizes=(8,),
                   selection_texts=60, loads=(0.5,), latency_s=0.5, echo_requests=500,
-                  scaling_processes=(1, 2), scaling_requests=64, delay_ms=2.0, warmup=8),
+                  scaling_processes=(1, 2), scaling_requests=64, delay_ms=2.0, warmup=8,
+                  overhead_repeats=1),
 }

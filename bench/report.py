@@ -209,10 +209,12 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         "## Overhead: echo (no delay) through one worker process vs Redis itself",
         "",
-        f"{overhead['requests']} requests queued at once. Redis's own rate: the same commands per "
-        "request (XREADGROUP COUNT 256, then the worker's own reply script: LPUSH + PEXPIRE + XACK "
-        "after the ownership check) issued by a bare loop with the worker's own reader and "
-        "replier, nothing else.",
+        f"{overhead['requests']} requests queued at once; worker settings "
+        f"{overhead['settings']}. Redis's own rate: the same commands per request (XREADGROUP "
+        "COUNT 256, then the worker's own reply script: one XPENDING for ownership, LPUSH and "
+        "PEXPIRE per reply, one XACK) issued by a bare loop with the worker's own reader and "
+        "replier, nothing else. Medians of "
+        f"{len(overhead['worker_rates'])} repeats, worker and Redis loop interleaved.",
         "",
         "| | requests/s |",
         "|---|---:|",

@@ -6,6 +6,7 @@ Both sides import this module, so the format is defined exactly once. See docs/p
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -51,11 +52,23 @@ def answered_key(namespace: str, model: str) -> str:
 # --- payload and envelope codecs -------------------------------------------------------------
 
 
+_local = threading.local()
+
+
 def encode(obj: Any, content_type: str) -> bytes:
     """Encode a payload or envelope; JSON for JSON requests, msgpack otherwise."""
     if content_type == JSON:
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-    return msgpack.packb(obj, use_bin_type=True)
+    return _packer().pack(obj)
+
+
+def _packer() -> msgpack.Packer:
+    """One reused Packer per thread: msgpack.packb builds a new one per call, which costs
+    as much as the packing (a Packer resets itself after a failed pack)."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer
 
 
 def decode(data: bytes, content_type: str) -> Any:

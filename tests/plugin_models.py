@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,3 +148,19 @@ class MatmulModel(EchoModel):
 
     def postprocess(self, output: torch.Tensor, items: Sequence[Prepared]) -> list[Any]:
         return [float(value) for value in output[:: 64].tolist()]
+
+
+class CostModel(EchoModel):
+    """Takes `fixed_ms` per batch plus `per_token_ms` per padded token, like a real model."""
+
+    def __init__(self, fixed_ms: float = 20.0, per_token_ms: float = 0.5) -> None:
+        super().__init__()
+        self.fixed_s, self.per_token_s = fixed_ms / 1000, per_token_ms / 1000
+
+    def collate(self, items: Sequence[Prepared]) -> tuple[int, list[Any]]:
+        return len(items) * max(item.length for item in items), [item.data for item in items]
+
+    def forward(self, batch: tuple[int, list[Any]]) -> list[Any]:
+        padded_tokens, data = batch
+        time.sleep(self.fixed_s + self.per_token_s * padded_tokens)
+        return data

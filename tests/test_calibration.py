@@ -92,7 +92,7 @@ def test_the_worker_starts_with_calibrated_sizes_and_warms_each_bucket(
         {"buckets": [{"max_length": 64, "batch_size": 2}]}))
     settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:PressureModel",
                              bucket_boundaries=[64, 256], max_batch_size=4, metrics_port=0,
-                             calibration_dir=tmp_path)
+                             calibration_dir=tmp_path, merge_tokens=0)
     worker = build_worker(settings, r)
     assert [cap.requests for cap in worker.governor.base] == [2, 4, 4]
     model = worker.model
@@ -107,3 +107,18 @@ def test_a_malformed_calibration_file_stops_the_worker_clearly(
                              calibration_dir=tmp_path)
     with pytest.raises(StartupError, match="malformed"):
         build_worker(settings, r)
+
+
+def test_warm_up_measures_how_much_padding_a_merge_may_add(redis_url: str, r: redis.Redis) -> None:
+    """20 ms per batch and 0.5 ms per padded token: a batch is worth 40 padded tokens."""
+    settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
+                             bucket_boundaries=[8, 64], max_batch_size=8, metrics_port=0)
+    worker = build_worker(settings, r)
+    assert 28 <= worker.batcher.merge_tokens <= 56  # sleeps overshoot a little on a busy host
+
+
+def test_merge_tokens_set_by_hand_is_kept(redis_url: str, r: redis.Redis) -> None:
+    settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
+                             bucket_boundaries=[8, 64], max_batch_size=8, metrics_port=0,
+                             merge_tokens=7)
+    assert build_worker(settings, r).batcher.merge_tokens == 7

@@ -47,7 +47,7 @@ def test_embeddings_match_the_reference(redis_url: str, worker_factory: Callable
                                         content_type: str) -> None:
     expected, token_counts = reference
     client = Client(redis_url, "minilm", content_type=content_type)
-    with worker_factory(model="minilm", max_wait_ms=50, fill_ratio=1.0):  # buckets apart
+    with worker_factory(model="minilm", max_wait_ms=50, merge_tokens=0):  # buckets apart
         ids = client.submit_many([{"text": text} for text in TEXTS])
         envelopes = [client.wait(request_id, timeout=60) for request_id in ids]
     client.close()

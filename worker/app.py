@@ -21,6 +21,7 @@ from worker.calibration import (
     calibrate,
     calibration_path,
     load_calibration,
+    measure_merge_tokens,
     warm_up,
     write_calibration,
 )
@@ -106,7 +107,22 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
                     calibrated=load_batch_sizes(settings, device))
     if settings.warmup:
         warm_up(worker.runner, model, worker.batcher.boundaries)
+        if settings.merge_tokens is None and worker.batcher.boundaries:
+            measure_merge(worker, model)
     return worker
+
+
+def measure_merge(worker: Worker, model: Model) -> None:
+    """Set how much padding a merge of buckets may add from the model's measured costs."""
+    try:
+        measured = measure_merge_tokens(worker.runner, model, worker.batcher.boundaries[0])
+    except Exception:  # only a tuning: serve with the default, the error will show again
+        log.exception("batching.merge_tokens_failed")
+        return
+    if measured is not None:
+        worker.batcher.merge_tokens = measured
+    log.info("batching.merge_tokens", merge_tokens=worker.batcher.merge_tokens,
+             measured=measured is not None)
 
 
 def run_calibration(settings: Settings, repeats: int) -> int:

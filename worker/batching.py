@@ -75,6 +75,16 @@ def take_members(candidates: Sequence[Pending], limits: BatchLimits) -> list[Pen
     return chosen
 
 
+def added_padding(size: int, longest: int, other_size: int, other_longest: int) -> int:
+    """Padded tokens one merged batch holds beyond the two batches run apart."""
+    merged = (size + other_size) * max(longest, other_longest)
+    return merged - size * longest - other_size * other_longest
+
+
+def fits(size: int, longest: int, limits: BatchLimits) -> bool:
+    return size <= limits.max_batch_size and size * longest <= limits.max_batch_tokens
+
+
 class Bucket:
     """Requests of similar length, kept in arrival order (so items[0] is the oldest).
 
@@ -117,6 +127,11 @@ class Bucket:
             self._forget(chosen)
         return chosen
 
+    def take_all(self) -> list[Pending]:
+        taken, self.items = self.items, []
+        self._forget(taken)
+        return taken
+
     def remove(self, taken: set[int]) -> None:
         """Drop the requests whose id() is in `taken` (moved into another bucket's batch)."""
         removed = [p for p in self.items if id(p) in taken]
@@ -145,19 +160,20 @@ class Batcher:
     goes first, so no bucket starves; within a bucket higher priority goes first.
     `caps`, when given, supplies each bucket's limits (the memory governor's caps).
 
-    A batch that leaves before it is full is topped up with the oldest requests of nearby
-    buckets, as long as every member stays at least `fill_ratio` times the longest: under
-    light load requests spread thinly over many fine buckets, and one batch of similar
-    lengths costs less than several of one.
+    A batch that leaves before it is full absorbs whole other buckets while that is cheaper
+    than running them apart: merging saves a forward pass, worth `merge_tokens` padded
+    tokens (the model's fixed cost per batch over its cost per padded token), and costs the
+    padding it adds. Under light load requests spread thinly over many fine buckets, and one
+    batch of them beats several of one; at saturation batches leave full and stay apart.
     """
 
     def __init__(self, boundaries: Sequence[int], limits: BatchLimits,
                  caps: Callable[[int], BatchLimits] | None = None,
-                 fill_ratio: float = 0.5) -> None:
+                 merge_tokens: int = 0) -> None:
         self.boundaries = list(boundaries)
         self.limits = limits
         self.caps = caps
-        self.fill_ratio = fill_ratio
+        self.merge_tokens = merge_tokens
         self.buckets = [Bucket() for _ in range(len(self.boundaries) + 1)]
         self._seq = 0
         self._size = 0
@@ -207,34 +223,24 @@ class Batcher:
         return batch
 
     def _top_up(self, index: int, members: list[Pending], limits: BatchLimits) -> list[Pending]:
-        """The oldest requests of nearby buckets that keep every member of the batch at least
-        `fill_ratio` times its longest, within the caps."""
-        if len(members) >= limits.max_batch_size:
-            return []
-        shortest = min(p.item.length for p in members)
-        longest = max(p.item.length for p in members)
-        nearby = [p for j, bucket in enumerate(self.buckets) if j != index
-                  and self._reachable(j, longest * self.fill_ratio, shortest / self.fill_ratio)
-                  for p in bucket.items]
+        """Whole other buckets, the cheapest to merge first, while each adds at most
+        `merge_tokens` padded tokens and the batch stays within its caps."""
+        size, longest = len(members), max(p.item.length for p in members)
         extra: list[Pending] = []
-        for pending in sorted(nearby, key=lambda p: p.seq):
-            length = pending.item.length
-            new_shortest, new_longest = min(shortest, length), max(longest, length)
-            size = len(members) + len(extra) + 1
-            if (size <= limits.max_batch_size and size * new_longest <= limits.max_batch_tokens
-                    and new_shortest >= new_longest * self.fill_ratio):
-                extra.append(pending)
-                shortest, longest = new_shortest, new_longest
-        for j, bucket in enumerate(self.buckets):
-            if j != index:
-                bucket.remove({id(p) for p in extra})
-        return extra
-
-    def _reachable(self, index: int, low: float, high: float) -> bool:
-        """Whether bucket `index` can hold a length in [low, high]."""
-        bucket_low = self.boundaries[index - 1] + 1 if index else 0
-        bucket_high = self.boundaries[index] if index < len(self.boundaries) else float("inf")
-        return bool(self.buckets[index].items) and bucket_low <= high and bucket_high >= low
+        while True:
+            merges = [(added_padding(size, longest, len(b.items), b.longest), j)
+                      for j, b in enumerate(self.buckets)
+                      if j != index and b.items and fits(size + len(b.items),
+                                                         max(longest, b.longest), limits)]
+            if not merges:
+                return extra
+            padding, j = min(merges)
+            if padding > self.merge_tokens:
+                return extra
+            longest = max(longest, self.buckets[j].longest)
+            absorbed = self.buckets[j].take_all()
+            size += len(absorbed)
+            extra += absorbed
 
     def seconds_until_ready(self, now: float) -> float | None:
         """How long until some bucket's oldest request reaches max_wait; None when empty."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -181,3 +182,23 @@ def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> Non
         log.info("warmup.bucket", bucket=bucket, max_length=sample.length, batch_size=len(items),
                  ms=round(seconds * 1000, 1))
     log.info("warmup.done", seconds=round(time.perf_counter() - started, 2))
+
+
+def measure_merge_tokens(runner: BatchRunner, model: Model, length: int,
+                         repeats: int = 3) -> int | None:
+    """The model's fixed cost per batch, in padded tokens: how much padding a merge of two
+    buckets into one batch may add and still pay (batching.py). Fitted from two timed shapes
+    of the shortest bucket, one input and a full batch (medians); None without sample()."""
+    sample = model.sample(length)
+    if sample is None:
+        return None
+    cap = runner.governor.caps[0]
+    size = max(2, min(cap.requests, cap.tokens // sample.length))
+    one = statistics.median(timed(lambda: runner.run(0, [sample])) for _ in range(repeats))
+    full = statistics.median(timed(lambda: runner.run(0, [sample] * size))
+                             for _ in range(repeats))
+    per_token = (full - one) / ((size - 1) * sample.length)
+    fixed = one - per_token * sample.length
+    if per_token <= 0:  # padding costs nothing measurable (echo, or a device far from full)
+        return cap.tokens
+    return round(min(cap.tokens, max(0.0, fixed / per_token)))

@@ -44,9 +44,10 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(8192, gt=0, description="cap on n x longest per batch")
     max_wait_ms: float = Field(5.0, ge=0)
     bucket_boundaries: list[int] | None = Field(None, description="None: the model's default")
-    fill_ratio: float = Field(0.5, gt=0, le=1, description=(
-        "a batch leaving unfilled takes the oldest requests of nearby buckets while every "
-        "member stays at least this fraction of the longest; 1 keeps buckets apart"))
+    merge_tokens: int | None = Field(None, ge=0, description=(
+        "an unfilled batch absorbs another bucket when that adds at most this many padded "
+        "tokens (the model's fixed cost per batch over its cost per padded token); none: "
+        "measured at warm-up; 0 keeps buckets apart"))
     max_inflight: int = Field(512, gt=0, description="entries read but not yet answered")
     read_count: int = Field(256, gt=0, description="most entries per XREADGROUP")
     block_ms: int = Field(1000, gt=0, description="XREADGROUP BLOCK; never 0")

@@ -48,6 +48,7 @@ from worker.stream import Entry, StreamReader
 log = structlog.get_logger("redbatch.worker")
 T = TypeVar("T")
 MAX_REPLIES_PER_CALL = 1024
+UNMEASURED_MERGE_TOKENS = 32  # a small encoder's on CPU, until warm-up measures the model's
 
 
 @dataclass(slots=True)
@@ -132,9 +133,14 @@ class Worker:
         self.runner = BatchRunner(executor, self.governor,
                                   memory_probe(executor.device, settings.memory_limit_bytes),
                                   self.name)
+        merge_tokens = settings.merge_tokens
         self.batcher = Batcher(boundaries, limits, caps=self.governor.limits,
-                               fill_ratio=settings.fill_ratio)
-        self._lock = threading.Condition()  # guards batcher, _held and _reading
+                               merge_tokens=UNMEASURED_MERGE_TOKENS if merge_tokens is None
+                               else merge_tokens)
+        self._lock = threading.Lock()  # guards batcher, _held and _reading
+        # Two conditions on it, so each thread wakes only for what it waits for:
+        self._room = threading.Condition(self._lock)  # answers written: in-flight slots free
+        self._work = threading.Condition(self._lock)  # requests queued, or reading stopped
         self._held: set[str] = set()  # entry ids read and not yet answered
         self._reading = True
         self._answers: queue.Queue[list[Answer] | None] = queue.Queue()
@@ -179,7 +185,8 @@ class Worker:
             self._give_up_at = time.monotonic() + self.settings.shutdown_grace_s
         self.stopping.set()
         with self._lock:
-            self._lock.notify_all()
+            self._room.notify_all()
+            self._work.notify_all()
 
     def load(self) -> tuple[int, list[int]]:
         """Entries held (read, not yet answered) and requests queued per bucket, for metrics."""
@@ -201,14 +208,14 @@ class Worker:
         finally:
             with self._lock:
                 self._reading = False
-                self._lock.notify_all()
+                self._work.notify_all()
 
     def _wait_for_room(self) -> int:
         """Free in-flight slots. Own pending entries are drained one at a time (stream.py),
         each once everything held is answered, so a poison one crashes nothing else."""
         with self._lock:
             while self._is_full() and not self.stopping.is_set():
-                self._lock.wait(0.5)
+                self._room.wait(0.5)
             return self.settings.max_inflight - len(self._held)
 
     def _is_full(self) -> bool:
@@ -264,7 +271,7 @@ class Worker:
             self._held.update(a.entry_id for a in bad)
             for pending in good:
                 self.batcher.add(pending)
-            self._lock.notify_all()
+            self._work.notify_all()
         if bad:
             self._answers.put(bad)
 
@@ -316,7 +323,7 @@ class Worker:
                 if not self._reading:
                     return None
                 until_ready = self.batcher.seconds_until_ready(time.monotonic())
-                self._lock.wait(0.5 if until_ready is None else until_ready)
+                self._work.wait(0.5 if until_ready is None else until_ready)
             return None
 
     def _complete(self, job: Job) -> list[Answer]:
@@ -389,7 +396,7 @@ class Worker:
                 max(0.0, written_ms - entry_time_ms(a.entry_id)) / 1000 for a in answered])
             with self._lock:  # dropped ones are freed too: they are no longer ours
                 self._held.difference_update(a.entry_id for a in answers)
-                self._lock.notify_all()
+                self._room.notify_all()
 
     def _next_answers(self) -> list[Answer] | None:
         """The next answers to write, coalescing what is queued into one script call."""
