@@ -82,15 +82,16 @@ def loaded_model(name: str, options: dict[str, Any] | None = None) -> Model:
 
 @contextmanager
 def running_worker(url: str, model: str = "echo", model_options: dict[str, Any] | None = None,
-                   **overrides: Any) -> Iterator[Worker]:
+                   instance: Model | None = None, **overrides: Any) -> Iterator[Worker]:
     """A Worker serving in a background thread until the block ends.
 
     A short `block_ms` lets the reader notice stop() quickly, so tests don't wait a second.
+    `instance`: a loaded model of the test's own instead of the session's shared one.
     """
     overrides.setdefault("block_ms", 100)
     settings = load_settings(None, redis_url=url, model=model, model_options=model_options or {},
                              metrics_port=0, **overrides)
-    instance = loaded_model(settings.model, settings.model_options)
+    instance = instance or loaded_model(settings.model, settings.model_options)
     worker = Worker(settings, instance, Executor(instance, resolve_device("cpu")),
                     connect(url, settings.block_ms))
     thread = threading.Thread(target=worker.run, daemon=True)

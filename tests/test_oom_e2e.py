@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 import redis
+import torch
 from prometheus_client import REGISTRY
 
 from producer import Client
@@ -43,12 +44,10 @@ def test_oom_batches_split_caps_drop_and_recover(redis_url: str, r: redis.Redis,
                     model_options={"max_padded_tokens": N}, bucket_boundaries=[64],
                     max_batch_size=16, max_batch_tokens=480, max_wait_ms=20,
                     memory_limit_bytes=1 << 40, governor_grow_after_s=60)
-    with worker_factory(**settings) as worker:
+    model = PressureModel(max_padded_tokens=N)  # its own: the requests are already queued
+    model.load(torch.device("cpu"))
+    with worker_factory(instance=model, **settings) as worker:
         worker: Worker
-        model = worker.model
-        assert isinstance(model, PressureModel)
-        model.max_padded_tokens = N  # the model instance is shared across the session
-        model.batch_tokens.clear()
         try:
             envelopes = collect(client, ids)
             assert [e["result"] for e in envelopes] == [payload(i) for i in range(48)]

@@ -213,7 +213,7 @@ class Batcher:
         _, index = min(ready)
         limits = self.limits_of(index)
         taken = self.buckets[index].take(limits)
-        taken += self._top_up(index, taken, limits)
+        taken += self._absorb(index, taken, limits)
         self._size -= len(taken)
         batch = Batch(index, [])
         for pending in taken:
@@ -222,7 +222,7 @@ class Batcher:
             (batch.members if alive else batch.expired).append(pending)
         return batch
 
-    def _top_up(self, index: int, members: list[Pending], limits: BatchLimits) -> list[Pending]:
+    def _absorb(self, index: int, members: list[Pending], limits: BatchLimits) -> list[Pending]:
         """Whole other buckets, the cheapest to merge first, while each adds at most
         `merge_tokens` padded tokens and the batch stays within its caps."""
         size, longest = len(members), max(p.item.length for p in members)

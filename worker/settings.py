@@ -59,7 +59,8 @@ class Settings(BaseSettings):
     governor_grow_after_s: float = Field(5.0, ge=0, description="calm time per growth step")
     governor_forgive_after_s: float = Field(
         300.0, ge=0, description="calm time before an out-of-memory size is tried again")
-    warmup: bool = Field(True, description="run each bucket shape once before serving")
+    warmup: bool = Field(True, description="run each bucket shape once before serving, and "
+                         "measure merge_tokens")
     calibration_dir: Path = Field(Path("configs/calibration"),
                                   description="where `calibrate` writes and `run` reads")
 
