@@ -97,7 +97,7 @@ class Benchmark:
                   "torch_threads": threads}  # the offline limit's best count: same footing
         # No compute to wait for: big reads and batches spread the per-call costs thin.
         echo = {"model": "echo", "model_options": {}, "max_batch_size": 512, "read_count": 1024,
-                "max_inflight": 4096}
+                "max_inflight": 4096, "max_batch_tokens": 1 << 20}  # echo's tokens cost nothing
         delay = {"model": "echo", "model_options": {"delay_ms": self.plan.delay_ms},
                  "max_batch_size": 32, "read_count": 32, "max_inflight": 96}
         return {
@@ -170,18 +170,23 @@ class Benchmark:
         for index, load in enumerate(self.plan.loads):
             timed = open_loop(self.redis_url, pool.stream, self.payloads, load * saturated_rate,
                               self.plan.latency_s, seed=index)
-            levels.append(self.latency_level(load, load * saturated_rate, timed))
+            levels.append(self.latency_level(load, load * saturated_rate, timed,
+                                             self.plan.latency_s))
             log.info("bench.latency", load=load, e2e_ms=levels[-1]["e2e_ms"])
         return {"settings": pool.settings, "seconds_per_level": self.plan.latency_s,
                 "levels": levels}
 
     @staticmethod
-    def latency_level(load: float, rate: float, timed: Sequence[Timed]) -> dict[str, Any]:
+    def latency_level(load: float, rate: float, timed: Sequence[Timed],
+                      seconds: float) -> dict[str, Any]:
         envelopes = [t.envelope for t in timed]
         check_ok(envelopes)
         batches = batches_of(envelopes)
         return {
             "load": load, "rate": rate, "requests": len(timed),
+            # the share of the time the model was computing: small batches cost more per request
+            "busy": sum(b["compute_ms"] for b in batches) / 1000 / seconds,
+            "mean_batch_size": len(envelopes) / len(batches) if batches else 0.0,
             "e2e_ms": percentiles([t.latency_s * 1000 for t in timed]),
             "queue_ms": percentiles([e["meta"]["queue_ms"] for e in envelopes]),
             "batch_compute_ms": percentiles([b["compute_ms"] for b in batches]),

@@ -191,18 +191,20 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         "## Latency under open-loop Poisson arrivals",
         "",
         f"Settings {latency['settings']}; {latency['seconds_per_level']:g} s of arrivals per "
-        "level. Queue wait: from XADD to the start of the request's batch.",
+        "level. Queue wait: from XADD to the start of the request's batch. Model busy: the "
+        "batches' compute time over the level's duration.",
         "",
         "| load | req/s | e2e p50 | e2e p95 | e2e p99 | queue p50 | queue p95 | queue p99 | "
-        "batch compute p99 | batch size p50 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "batch compute p99 | batch size mean | model busy |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for level in latency["levels"]:
         e2e, queue = level["e2e_ms"], level["queue_ms"]
         lines.append(f"| {100 * level['load']:.0f} % | {level['rate']:.1f} | {e2e['p50']:.1f} | "
                      f"{e2e['p95']:.1f} | {e2e['p99']:.1f} | {queue['p50']:.1f} | "
                      f"{queue['p95']:.1f} | {queue['p99']:.1f} | "
-                     f"{level['batch_compute_ms']['p99']:.1f} | {level['batch_size']['p50']:.0f} |")
+                     f"{level['batch_compute_ms']['p99']:.1f} | {level['mean_batch_size']:.2f} | "
+                     f"{100 * level['busy']:.0f} % |")
     lines += [
         "",
         "Times in ms. " + f"![latency]({plots['latency']})",

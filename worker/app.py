@@ -45,7 +45,8 @@ class StartupError(Exception):
 def connect(url: str, block_ms: int, attempts: int = 3) -> redis.Redis:
     """A client whose socket timeout outlasts the blocking read; fails clearly if unreachable."""
     client = redis.Redis.from_url(url, socket_timeout=block_ms / 1000 + 10,
-                                  socket_connect_timeout=5, health_check_interval=30)
+                                  socket_connect_timeout=5, health_check_interval=30,
+                                  socket_read_size=1 << 20)
     for attempt in range(attempts):
         try:
             client.ping()
