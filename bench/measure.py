@@ -145,6 +145,9 @@ class Benchmark:
                 "ratio_to_offline": median([r / o for r, o in zip(rates, offline, strict=True)]),
                 **self.batch_stats(before[name], after[name]),
             }
+        section["redbatch"]["merge_tokens"] = next(
+            (v for (metric, _), v in after["redbatch"].items()
+             if metric == "redbatch_merge_tokens"), None)
         for name in ("fifo", "batch1"):
             section[name]["bucketing_speedup"] = median(
                 [b.rate / o.rate for b, o in zip(runs["redbatch"], runs[name], strict=True)])

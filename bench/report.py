@@ -183,7 +183,9 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         f"vs batch size 1: ×{saturation['batch1']['bucketing_speedup']:.2f}. The offline "
         f"configuration was chosen on {results['offline_configs']['texts']} texts: "
         + ", ".join(f"{k}: {v:.1f}" for k, v in results["offline_configs"]["rates"].items())
-        + " texts/s. The workers use the same batch size and torch thread count.",
+        + " texts/s. The workers use the same batch size and torch thread count. "
+        f"`merge_tokens` measured at warm-up by the bucketed worker: "
+        f"{saturation['redbatch'].get('merge_tokens')}.",
         "",
         f"![throughput]({plots['throughput']}) ![batch sizes]({plots['batch-sizes']}) "
         f"![padding]({plots['padding']})",

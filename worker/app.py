@@ -121,7 +121,7 @@ def measure_merge(worker: Worker, model: Model) -> None:
         log.exception("batching.merge_tokens_failed")
         return
     if measured is not None:
-        worker.batcher.merge_tokens = measured
+        worker.set_merge_tokens(measured)
     log.info("batching.merge_tokens", merge_tokens=worker.batcher.merge_tokens,
              measured=measured is not None)
 

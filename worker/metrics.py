@@ -48,6 +48,8 @@ BATCH_CAP = Gauge("redbatch_batch_cap", "The governor's current cap per bucket",
                   ["model", "bucket", "kind"])  # kind: requests | tokens
 MEMORY_BYTES = Gauge("redbatch_memory_bytes", "Memory as the governor last read it",
                      ["model", "kind"])  # kind: used | limit | reserved | allocated
+MERGE_TOKENS = Gauge("redbatch_merge_tokens",
+                     "Padded tokens a merge of buckets into one batch may add", ["model"])
 OOM_EVENTS = Counter("redbatch_oom_events", "Batches that ran out of memory", ["model", "bucket"])
 OOM_SPLITS = Counter("redbatch_oom_splits", "Out-of-memory batches split in halves and retried",
                      ["model", "bucket"])

@@ -133,10 +133,9 @@ class Worker:
         self.runner = BatchRunner(executor, self.governor,
                                   memory_probe(executor.device, settings.memory_limit_bytes),
                                   self.name)
-        merge_tokens = settings.merge_tokens
-        self.batcher = Batcher(boundaries, limits, caps=self.governor.limits,
-                               merge_tokens=UNMEASURED_MERGE_TOKENS if merge_tokens is None
-                               else merge_tokens)
+        self.batcher = Batcher(boundaries, limits, caps=self.governor.limits)
+        self.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
+                              else settings.merge_tokens)
         self._lock = threading.Lock()  # guards batcher, _held and _reading
         # Two conditions on it, so each thread wakes only for what it waits for:
         self._room = threading.Condition(self._lock)  # answers written: in-flight slots free
@@ -187,6 +186,11 @@ class Worker:
         with self._lock:
             self._room.notify_all()
             self._work.notify_all()
+
+    def set_merge_tokens(self, merge_tokens: int) -> None:
+        """How much padding a merge of buckets may add (batching.py); warm-up measures it."""
+        self.batcher.merge_tokens = merge_tokens
+        metrics.MERGE_TOKENS.labels(self.name).set(merge_tokens)
 
     def load(self) -> tuple[int, list[int]]:
         """Entries held (read, not yet answered) and requests queued per bucket, for metrics."""
