@@ -202,12 +202,14 @@ class Benchmark:
         count = self.plan.echo_requests
         payloads = [self.payloads[i % len(self.payloads)] for i in range(count)]
         reply = protocol.encode(protocol.success_envelope(
-            "r0", {"text": self.texts[0]}, {"model": "echo", "batch_size": 32}), protocol.MSGPACK)
+            "r0", {"text": self.texts[0]}, {  # as big as the worker's own replies
+                "model": "echo", "batch_size": 512, "compute_ms": 1.234, "worker": "host-1-abcd",
+                "bucket": 1, "padded_length": 130, "queue_ms": 12.345}), protocol.MSGPACK)
         worker_rates: list[float] = []
         floors = []
         for repeat in range(self.plan.overhead_repeats):
             floors.append(redis_floor(self.client, f"{pool.stream}:floor", payloads, reply,
-                                      read_count=256))
+                                      read_count=pool.settings.get("read_count", 256)))
             drained = drain(self.client, pool.stream, payloads)
             check_ok(drained.envelopes)
             worker_rates.append(drained.rate)

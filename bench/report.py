@@ -215,7 +215,8 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         f"{overhead['requests']} requests queued at once; worker settings "
         f"{overhead['settings']}. Redis's own rate: the same commands per request (XREADGROUP "
-        "COUNT 256, then the worker's own reply script: one XPENDING for ownership, LPUSH and "
+        f"COUNT {overhead['settings'].get('read_count', 256)} as the worker reads, then the "
+        "worker's own reply script: one XPENDING for ownership, LPUSH and "
         "PEXPIRE per reply, one XACK) issued by a bare loop with the worker's own reader and "
         "replier, nothing else. Medians of "
         f"{len(overhead['worker_rates'])} repeats, worker and Redis loop interleaved.",
