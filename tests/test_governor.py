@@ -32,9 +32,20 @@ def test_above_the_high_watermark_every_bucket_is_cut_in_half() -> None:
     gov = governor()
     assert gov.observe(0, 1000, HIGH, now=0.0)
     assert gov.caps == [Cap(16, 4096), Cap(16, 4096)]
-    gov.observe(0, 1000, HIGH, now=0.1)
+    gov.observe(0, 1000, HIGH, now=1.0)
     assert gov.caps[1] == Cap(8, 2048)
     assert gov.limits(1).max_batch_size == 8
+
+
+def test_a_cut_is_given_time_to_work_before_the_next() -> None:
+    """Batches formed under the old caps still run after a cut: they must not cut again."""
+    gov = governor()
+    gov.observe(0, 1000, HIGH, now=0.0)
+    for now in (0.1, 0.5, 0.99):
+        assert not gov.observe(0, 1000, HIGH, now=now)
+    assert gov.caps == [Cap(16, 4096), Cap(16, 4096)]
+    assert gov.observe(0, 1000, HIGH, now=1.0)
+    assert gov.caps == [Cap(8, 2048), Cap(8, 2048)]
 
 
 def test_caps_never_fall_below_one() -> None:
@@ -58,7 +69,7 @@ def test_between_the_watermarks_caps_hold_and_the_calm_clock_restarts() -> None:
 
 def test_below_the_low_watermark_for_a_while_caps_grow_additively_up_to_the_base() -> None:
     gov = governor()
-    gov.observe(0, 100, HIGH, now=0.0)
+    gov.observe(0, 100, HIGH, now=-1.0)
     gov.observe(0, 100, HIGH, now=0.0)
     assert gov.caps[0] == Cap(8, 2048)
     gov.observe(0, 100, LOW, now=1.0)

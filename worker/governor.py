@@ -68,6 +68,8 @@ class GovernorPolicy:
     cut_factor: float = 0.5  # multiplicative decrease above the high watermark
     grow_fraction: float = 0.125  # additive increase per step, as a fraction of the base cap
     grow_after_s: float = 5.0  # calm time below the low watermark before each growth step
+    cut_after_s: float = 1.0  # after a cut, the next waits this long: batches formed under the
+    # old caps are still running, and memory takes a moment to come back
     forgive_after_s: float = 300.0  # calm time after which a failed size may be tried again
     fragmentation_fraction: float = 0.10  # idle cached memory, as a fraction of the limit
 
@@ -76,6 +78,7 @@ def policy_from_settings(settings: Settings) -> GovernorPolicy:
     return GovernorPolicy(high_watermark=settings.memory_high_watermark,
                           low_watermark=settings.memory_low_watermark,
                           grow_after_s=settings.governor_grow_after_s,
+                          cut_after_s=settings.governor_cut_after_s,
                           forgive_after_s=settings.governor_forgive_after_s)
 
 
@@ -95,6 +98,7 @@ class Governor:
         self._limits = [self._as_limits(cap) for cap in self.caps]
         self._calm_since: float | None = None
         self._last_change = -math.inf
+        self._last_cut = -math.inf
 
     def limits(self, bucket: int) -> BatchLimits:
         """The Batcher's limits for `bucket` right now (its caps provider)."""
@@ -110,6 +114,9 @@ class Governor:
         policy = self.policy
         if reading.fraction >= policy.high_watermark:
             self._calm_since = None
+            if now - self._last_cut < policy.cut_after_s:
+                return False
+            self._last_cut = now
             return self._set_all(self._cut, now)
         if reading.fraction > policy.low_watermark:
             self._calm_since = None  # between the watermarks: hold

@@ -57,6 +57,7 @@ class Settings(BaseSettings):
     memory_high_watermark: float = Field(0.90, gt=0, le=1, description="cut batch caps above")
     memory_low_watermark: float = Field(0.75, gt=0, le=1, description="grow batch caps below")
     governor_grow_after_s: float = Field(5.0, ge=0, description="calm time per growth step")
+    governor_cut_after_s: float = Field(1.0, ge=0, description="time between two cuts")
     governor_forgive_after_s: float = Field(
         300.0, ge=0, description="calm time before an out-of-memory size is tried again")
     warmup: bool = Field(True, description="run each bucket shape once before serving, and "
