@@ -18,6 +18,7 @@ from bench.machine import usable_cpus
 from bench.plan import Plan
 from bench.stats import Samples, histogram, median, percentiles
 from producer import protocol
+from worker.app import freeze_heap
 from worker.execution import Executor, resolve_device
 from worker.models import Model, create_model
 
@@ -68,6 +69,7 @@ class Benchmark:
         self.model_settings = {"model": model, "model_options": model_options}
         self.model = create_model(model, model_options)
         self.model.load(resolve_device("cpu"))
+        freeze_heap()  # as the workers do: the offline limit must not pay for collections they skip
 
     # --- (1)-(3): the corpus at saturation ---------------------------------------------------
 
