@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 
@@ -97,6 +98,8 @@ def test_a_real_cpu_allocation_failure_is_recognised() -> None:
 def test_host_memory_reads_rss_against_the_limit(tmp_path) -> None:
     reading = HostMemory(limit_bytes=1 << 40).read()
     assert 0 < reading.used < 1 << 40 and reading.limit == 1 << 40
+    rss = psutil.Process().memory_info().rss  # what the kept-open /proc/self/statm says too
+    assert abs(HostMemory().rss() - rss) < 32 << 20
     assert HostMemory().limit > 0  # the cgroup limit, or physical memory
     (tmp_path / "v2").write_text("max\n")
     (tmp_path / "v1").write_text("536870912\n")

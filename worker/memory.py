@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 from pathlib import Path
 from typing import Protocol
 
@@ -64,6 +65,8 @@ class HostMemory:
         self.limit = limit_bytes or cgroup_memory_limit() or psutil.virtual_memory().total
         self._process = psutil.Process()
         self._statm = _open_statm()
+        if self._statm is not None:
+            weakref.finalize(self, os.close, self._statm)
 
     def before_batch(self) -> None:
         pass
