@@ -120,24 +120,18 @@ class Bucket:
             order = heapq.nsmallest(limits.max_batch_size, self.items,
                                     key=lambda p: (-p.request.priority, p.seq))
             chosen = take_members(order, limits)
-            self.remove({id(p) for p in chosen})
+            taken = {id(p) for p in chosen}
+            self.items = [p for p in self.items if id(p) not in taken]
         else:
             chosen = take_members(self.items, limits)
             del self.items[: len(chosen)]
-            self._forget(chosen)
+        self._forget(chosen)
         return chosen
 
     def take_all(self) -> list[Pending]:
         taken, self.items = self.items, []
         self._forget(taken)
         return taken
-
-    def remove(self, taken: set[int]) -> None:
-        """Drop the requests whose id() is in `taken` (moved into another bucket's batch)."""
-        removed = [p for p in self.items if id(p) in taken]
-        if removed:
-            self.items = [p for p in self.items if id(p) not in taken]
-            self._forget(removed)
 
     def _forget(self, removed: list[Pending]) -> None:
         lengths = self._lengths

@@ -19,7 +19,7 @@ import structlog
 from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry
 from worker import metrics
-from worker.stream import Entry, Fields, is_group_lost
+from worker.stream import Entry, Fields, as_text, is_group_lost
 
 log = structlog.get_logger("redbatch.deadletter")
 DEAD_LETTER_MAXLEN = 100_000  # approximate cap on the dead-letter stream
@@ -177,7 +177,7 @@ class DeadLetters:
                     request_id, ErrorCode.DEAD_LETTER, reason), content_type)
             keys.append(target[1] if target else "")
             args += (entry.id, counts[entry.id], reason, envelope)
-        moved = [_text(m) for m in self._move(keys=keys, args=args)]
+        moved = [as_text(m) for m in self._move(keys=keys, args=args)]
         metrics.REQUESTS.labels(self.model_name, ErrorCode.DEAD_LETTER.value).inc(len(moved))
         metrics.DEAD_LETTERS.labels(self.model_name).inc(len(moved))
         log.warning("entries.dead_lettered", entry_ids=moved, dead_letter_stream=self.dead_stream)
@@ -187,7 +187,8 @@ class DeadLetters:
 def list_dead_letters(client: redis.Redis, dead_stream: str, count: int) -> list[DeadLetter]:
     """The oldest `count` dead letters."""
     entries: Any = client.xrange(dead_stream, count=count)
-    return [DeadLetter(_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
+    return [DeadLetter(as_text(entry_id), {as_text(k, "replace"): as_text(v, "replace")  # any bytes
+                                           for k, v in fields.items()})
             for entry_id, fields in entries]
 
 
@@ -197,8 +198,4 @@ def requeue_dead_letters(client: redis.Redis, dead_stream: str, stream: str,
     if not dead_ids:
         return []
     added: Any = client.register_script(REQUEUE)(keys=[dead_stream, stream], args=list(dead_ids))
-    return [_text(a) for a in added]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return [as_text(a) for a in added]

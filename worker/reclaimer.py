@@ -16,7 +16,7 @@ import redis
 import structlog
 
 from worker import metrics
-from worker.stream import Entry, is_group_lost
+from worker.stream import Entry, as_text, is_group_lost
 
 log = structlog.get_logger("redbatch.reclaimer")
 START = "0-0"
@@ -90,12 +90,12 @@ class Reclaimer:
             self._restart_sweep()  # the reader recreates the group
             return []
         cursor, raw_entries, deleted = result
-        self.cursor = _text(cursor)
+        self.cursor = as_text(cursor)
         if self.cursor == START:
             self._restart_sweep()  # swept the whole pending list: rest until the next round
         if deleted:
             metrics.UNANSWERABLE.labels(self.model_name, "deleted").inc(deleted)
-        entries = [Entry(_text(entry_id), _fields(fields), redelivered=True)
+        entries = [Entry(as_text(entry_id), _fields(fields), redelivered=True)
                    for entry_id, fields in raw_entries]
         if entries or deleted:
             metrics.RECLAIMED.labels(self.model_name).inc(len(entries))
@@ -111,7 +111,7 @@ class Reclaimer:
             if not is_group_lost(exc):
                 raise
             return []
-        names = [_text(name) for name in removed]
+        names = [as_text(name) for name in removed]
         if names:
             log.info("consumers.removed", consumers=names)
         return names
@@ -126,7 +126,3 @@ def _fields(raw: list[bytes] | None) -> dict[bytes, bytes] | None:
     if not raw:
         return None
     return dict(zip(raw[::2], raw[1::2], strict=True))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

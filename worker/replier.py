@@ -15,7 +15,7 @@ import redis
 import structlog
 
 from worker import metrics
-from worker.stream import is_group_lost
+from worker.stream import as_text, is_group_lost
 
 log = structlog.get_logger("redbatch.replier")
 
@@ -119,14 +119,10 @@ class Replier:
         if undeliverable:
             metrics.UNANSWERABLE.labels(self.model_name, "reply_key_type").inc(len(undeliverable))
             log.warning("replies.undeliverable", reason="reply key is not a list",
-                        entry_ids=[_text(u) for u in undeliverable])
-        return [_text(d) for d in dropped]
+                        entry_ids=[as_text(u) for u in undeliverable])
+        return [as_text(d) for d in dropped]
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         """Ack entries that cannot be answered (no usable id, or deleted from the stream)."""
         if entry_ids:
             self.client.xack(self.stream, self.group, *entry_ids)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

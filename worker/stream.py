@@ -74,9 +74,10 @@ class StreamReader:
             messages = next(iter(response.values()))[0]
         else:
             messages = response[0][1]
-        return [Entry(_text(entry_id), fields or None, start != ">")
+        return [Entry(as_text(entry_id), fields or None, start != ">")
                 for entry_id, fields in messages]
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def as_text(value: bytes | str, errors: str = "strict") -> str:
+    """A name or id from a Redis reply: bytes, unless the client decodes responses."""
+    return value.decode(errors=errors) if isinstance(value, bytes) else value

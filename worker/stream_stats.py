@@ -15,6 +15,7 @@ import redis
 
 from producer import protocol
 from producer.backlog import BACKLOG
+from worker.stream import as_text
 
 LAG_COUNT_CAP = 100_000
 
@@ -46,15 +47,11 @@ class StreamStats:
         return {**asdict(self), "backlog": self.backlog}
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def discover_models(client: redis.Redis, namespace: str) -> list[str]:
     """Models with a request stream in this namespace."""
     prefix = protocol.stream_key(namespace, "")
     keys = client.scan_iter(match=f"{prefix}*", count=1000, _type="STREAM")
-    return sorted(_text(key)[len(prefix):] for key in keys)
+    return sorted(as_text(key)[len(prefix):] for key in keys)
 
 
 def count_undelivered(client: redis.Redis, stream: str, group: str, pending: int,
@@ -74,7 +71,7 @@ def read_stream_stats(client: redis.Redis, namespace: str, model: str,
     pipe.get(protocol.answered_key(namespace, model))
     pipe.xlen(protocol.dead_letter_key(namespace, model))
     length, answered, dead = pipe.execute()
-    info = next((g for g in _groups(client, stream) if _text(g["name"]) == group), None)
+    info = next((g for g in _groups(client, stream) if as_text(g["name"]) == group), None)
     if info is None:
         return StreamStats(model, length, length, 0, int(answered or 0), dead)
     lag = info.get("lag")
@@ -82,7 +79,7 @@ def read_stream_stats(client: redis.Redis, namespace: str, model: str,
     if lag is None:  # Redis 6.2, or 7 after deletions it cannot account for
         lag = count_undelivered(client, stream, group, info["pending"])
         capped = lag >= LAG_COUNT_CAP
-    consumers = [ConsumerStats(_text(c["name"]), c["pending"], c["idle"])
+    consumers = [ConsumerStats(as_text(c["name"]), c["pending"], c["idle"])
                  for c in client.xinfo_consumers(stream, group)]
     return StreamStats(model, length, lag, info["pending"], int(answered or 0), dead,
                        consumers, capped)

@@ -59,6 +59,7 @@ class Answer:
     reply_to: str
     content_type: str
     envelope: dict[str, Any]
+    enqueued_ms: int  # the XADD time, read from the entry id once per request
 
     @property
     def status(self) -> str:
@@ -67,7 +68,7 @@ class Answer:
 
 def error_answer(entry_id: str, request: Request, code: ErrorCode, message: str) -> Answer:
     return Answer(entry_id, request.reply_to, request.content_type,
-                  protocol.error_envelope(request.id, code, message))
+                  protocol.error_envelope(request.id, code, message), entry_time_ms(entry_id))
 
 
 def entry_time_ms(entry_id: str) -> int:
@@ -257,7 +258,8 @@ class Worker:
                     assert exc.request_id is not None and exc.reply_to is not None
                     bad.append(Answer(entry.id, exc.reply_to, exc.content_type,
                                       protocol.error_envelope(exc.request_id,
-                                                              ErrorCode.INVALID_REQUEST, str(exc))))
+                                                              ErrorCode.INVALID_REQUEST, str(exc)),
+                                      entry_time_ms(entry.id)))
                 else:
                     unanswerable.append(entry.id)
                     metrics.UNANSWERABLE.labels(self.name, "no_id").inc()
@@ -344,12 +346,14 @@ class Worker:
             return answers + [error_answer(p.entry_id, p.request, ErrorCode.MODEL_ERROR, message)
                               for p in batch.members]
         compute_s, started_ms = job.compute_s, job.started_ms
-        queue_ms = [max(0.0, started_ms - entry_time_ms(p.entry_id)) for p in batch.members]
+        enqueued_ms = [entry_time_ms(p.entry_id) for p in batch.members]
+        queue_ms = [max(0.0, started_ms - enqueued) for enqueued in enqueued_ms]
         self._observe(batch, compute_s, queue_ms)
         meta = {"model": self.name, "batch_size": len(batch.members),
                 "compute_ms": round(compute_s * 1000, 3), "worker": self.settings.consumer,
                 "bucket": batch.bucket, "padded_length": batch.longest}
-        for pending, result, waited_ms in zip(batch.members, results, queue_ms, strict=True):
+        for pending, result, enqueued, waited_ms in zip(batch.members, results, enqueued_ms,
+                                                         queue_ms, strict=True):
             request = pending.request
             if isinstance(result, TooLarge):
                 answers.append(error_answer(pending.entry_id, request, ErrorCode.TOO_LARGE,
@@ -357,7 +361,7 @@ class Worker:
                 continue
             answers.append(Answer(pending.entry_id, request.reply_to, request.content_type,
                                   protocol.success_envelope(request.id, result, {
-                                      **meta, "queue_ms": round(waited_ms, 3)})))
+                                      **meta, "queue_ms": round(waited_ms, 3)}), enqueued))
         return answers
 
     def _observe(self, batch: Batch, compute_s: float, queue_ms: list[float]) -> None:
@@ -397,7 +401,7 @@ class Worker:
             for status, count in Counter(a.status for a in answered).items():
                 metrics.REQUESTS.labels(self.name, status).inc(count)  # labels() takes a lock
             metrics.observe_all(metrics.END_TO_END.labels(self.name), [
-                max(0.0, written_ms - entry_time_ms(a.entry_id)) / 1000 for a in answered])
+                max(0.0, written_ms - a.enqueued_ms) / 1000 for a in answered])
             with self._lock:  # dropped ones are freed too: they are no longer ours
                 self._held.difference_update(a.entry_id for a in answers)
                 self._room.notify_all()
