@@ -16,7 +16,7 @@ import psutil
 
 from bench.corpus import build_corpus
 from bench.machine import describe_machine, machine_slug
-from bench.measure import Benchmark
+from bench.measure import Benchmark, Layout
 from bench.plan import PLANS
 from bench.report import markdown, targets, write_json, write_plots
 from bench.stats import percentiles
@@ -60,10 +60,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "length_percentiles": percentiles(lengths, (0, 25, 50, 75, 90, 99, 100)),
         }
         best = results["offline_configs"] = bench.best_offline()
-        batch_size, threads = best["batch_size"], best["torch_threads"]
+        batch_size, layout = best["batch_size"], Layout(best["instances"], best["torch_threads"])
         with ExitStack() as stack:
-            pools = bench.start_workers(stack, batch_size, threads)
-            results["saturation"] = bench.saturation(pools, batch_size, threads)
+            pools = bench.start_workers(stack, batch_size, layout)
+            results["saturation"] = bench.saturation(pools, batch_size, layout)
             results["latency"] = bench.latency(pools["redbatch"],
                                                results["saturation"]["redbatch"]["median"])
             results["overhead"] = bench.overhead(pools["overhead"])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +23,49 @@ from bench.stats import Samples, histogram, median, percentiles
 from producer import protocol
 from worker.app import freeze_heap
 from worker.execution import Executor, resolve_device
-from worker.models import Model, create_model
+from worker.models import Model, Prepared, create_model
 
 log = structlog.get_logger("redbatch.bench")
 
 
-def offline_rate(model: Model, texts: Sequence[str], batch_size: int, threads: int) -> float:
+@dataclass(frozen=True)
+class Layout:
+    """How a process spends its cores: model instances, each with torch threads."""
+
+    instances: int
+    threads: int
+
+    def __str__(self) -> str:
+        return f"{self.instances} instance(s) x {self.threads} thread(s)"
+
+
+def layouts(cores: int) -> list[Layout]:
+    """One instance with one or every core, and as many single-threaded instances as cores."""
+    return sorted({Layout(1, 1), Layout(1, cores), Layout(cores, 1)},
+                  key=lambda layout: (layout.instances, layout.threads))
+
+
+def offline_rate(model: Model, texts: Sequence[str], batch_size: int, layout: Layout) -> float:
     """The same model in-process, no Redis: tokenise, sort by length, run fixed-size
-    batches, longest first (what sentence-transformers' `encode` does)."""
-    torch.set_num_threads(threads)
-    executor = Executor(model, resolve_device("cpu"))
+    batches, longest first (what sentence-transformers' `encode` does). Several instances
+    take the batches in that order, each on its own thread (as Triton's instance groups, or
+    sentence-transformers' multi-process pool, without the processes)."""
+    torch.set_num_threads(layout.threads)
+    device = resolve_device("cpu")
+    own = threading.local()  # each instance's thread runs its own executor
+
+    def run(batch: list[Prepared]) -> None:
+        if not hasattr(own, "executor"):
+            own.executor = Executor(model, device)
+        own.executor.run(batch)
+
     started = time.perf_counter()
     items = [model.prepare({"text": text}, len(text.encode())) for text in texts]
     items.sort(key=lambda item: item.length, reverse=True)
-    for start in range(0, len(items), batch_size):
-        executor.run(items[start:start + batch_size])
+    with ThreadPoolExecutor(layout.instances, initializer=torch.set_num_threads,
+                            initargs=(layout.threads,)) as instances:
+        list(instances.map(run, [items[start:start + batch_size]
+                                 for start in range(0, len(items), batch_size)]))
     return len(texts) / (time.perf_counter() - started)
 
 
@@ -78,25 +109,24 @@ class Benchmark:
                 for t, p in zip(self.texts, self.payloads, strict=True)]
 
     def best_offline(self) -> dict[str, Any]:
-        """The fastest batch size and torch thread count in-process, on part of the corpus."""
+        """The fastest batch size and layout (instances x torch threads) in-process, on part
+        of the corpus."""
         texts = self.texts[:self.plan.selection_texts]
-        rates = {(size, threads): offline_rate(self.model, texts, size, threads)
-                 for size in self.plan.batch_sizes for threads in self.thread_counts}
-        size, threads = max(rates, key=lambda config: rates[config])
-        log.info("bench.offline_configs", best=(size, threads),
-                 rates={f"{b}x{t}": round(r, 1) for (b, t), r in rates.items()})
-        return {"rates": {f"batch {b}, {t} thread(s)": r for (b, t), r in rates.items()},
-                "batch_size": size, "torch_threads": threads, "texts": len(texts)}
-
-    @property
-    def thread_counts(self) -> list[int]:
-        return sorted({1, usable_cpus()})
+        rates = {(size, layout): offline_rate(self.model, texts, size, layout)
+                 for size in self.plan.batch_sizes for layout in layouts(usable_cpus())}
+        size, layout = max(rates, key=lambda config: rates[config])
+        log.info("bench.offline_configs", best=(size, str(layout)),
+                 rates={f"{b}, {lay}": round(r, 1) for (b, lay), r in rates.items()})
+        return {"rates": {f"batch {b}, {lay}": r for (b, lay), r in rates.items()},
+                "batch_size": size, "instances": layout.instances,
+                "torch_threads": layout.threads, "texts": len(texts)}
 
     def pool_settings(self, batch_size: int,
-                      threads: int) -> dict[str, tuple[int, dict[str, Any]]]:
+                      layout: Layout) -> dict[str, tuple[int, dict[str, Any]]]:
         """Every worker pool of the run: process count and settings, by name."""
         corpus = {**self.model_settings, "max_batch_size": batch_size, "max_wait_ms": 5.0,
-                  "torch_threads": threads}  # the offline limit's best count: same footing
+                  "instances": layout.instances,  # the offline limit's best: same footing
+                  "torch_threads": layout.threads}
         # No compute to wait for: big reads and batches spread the per-call costs thin.
         echo = {"model": "echo", "model_options": {}, "max_batch_size": 512, "read_count": 1024,
                 "max_inflight": 4096, "max_batch_tokens": 1 << 20}  # echo's tokens cost nothing
@@ -111,33 +141,34 @@ class Benchmark:
         }
 
     def start_workers(self, stack: ExitStack, batch_size: int,
-                      threads: int) -> dict[str, Workers]:
+                      layout: Layout) -> dict[str, Workers]:
         """Start every pool at once, wait until all read, and warm each one up."""
         pools = {name: stack.enter_context(Workers(self.redis_url, f"bench-{name}", count,
                                                    self.log_dir, **settings))
-                 for name, (count, settings) in self.pool_settings(batch_size, threads).items()}
+                 for name, (count, settings) in self.pool_settings(batch_size, layout).items()}
         for pool in pools.values():
             pool.wait_until_reading()
             self.warm_up(pool)
         return pools
 
     def saturation(self, pools: dict[str, Workers], batch_size: int,
-                   threads: int) -> dict[str, Any]:
+                   layout: Layout) -> dict[str, Any]:
         """Offline vs redbatch (buckets), FIFO (no buckets) and batch size 1, interleaved."""
         names = ("redbatch", "fifo", "batch1")
         offline: list[float] = []
         runs: dict[str, list[Drained]] = {name: [] for name in names}
         before = {name: pools[name].metrics() for name in names}
         for repeat in range(self.plan.repeats):
-            offline.append(offline_rate(self.model, self.texts, batch_size, threads))
+            offline.append(offline_rate(self.model, self.texts, batch_size, layout))
             for name in names:
                 runs[name].append(drain(self.client, pools[name].stream, self.payloads))
                 check_ok(runs[name][-1].envelopes)
             log.info("bench.saturation", repeat=repeat, offline=round(offline[-1]),
                      **{n: round(r[-1].rate) for n, r in runs.items()})
         after = {name: pools[name].metrics() for name in names}
-        section: dict[str, Any] = {"offline": {"batch_size": batch_size, "torch_threads": threads,
-                                               "rates": offline, "median": median(offline)}}
+        section: dict[str, Any] = {"offline": {
+            "batch_size": batch_size, "instances": layout.instances,
+            "torch_threads": layout.threads, "rates": offline, "median": median(offline)}}
         for name, drained in runs.items():
             rates = [d.rate for d in drained]
             section[name] = {
@@ -176,21 +207,23 @@ class Benchmark:
             timed = open_loop(self.redis_url, pool.stream, self.payloads, load * saturated_rate,
                               self.plan.latency_s, seed=index)
             levels.append(self.latency_level(load, load * saturated_rate, timed,
-                                             self.plan.latency_s))
+                                             self.plan.latency_s,
+                                             int(pool.settings.get("instances", 1))))
             log.info("bench.latency", load=load, e2e_ms=levels[-1]["e2e_ms"])
         return {"settings": pool.settings, "seconds_per_level": self.plan.latency_s,
                 "levels": levels}
 
     @staticmethod
-    def latency_level(load: float, rate: float, timed: Sequence[Timed],
-                      seconds: float) -> dict[str, Any]:
+    def latency_level(load: float, rate: float, timed: Sequence[Timed], seconds: float,
+                      instances: int = 1) -> dict[str, Any]:
         envelopes = [t.envelope for t in timed]
         check_ok(envelopes)
         batches = batches_of(envelopes)
         return {
             "load": load, "rate": rate, "requests": len(timed),
-            # the share of the time the model was computing: small batches cost more per request
-            "busy": sum(b["compute_ms"] for b in batches) / 1000 / seconds,
+            # the share of the time the model instances were computing: small batches cost
+            # more per request
+            "busy": sum(b["compute_ms"] for b in batches) / 1000 / seconds / instances,
             "mean_batch_size": len(envelopes) / len(batches) if batches else 0.0,
             "e2e_ms": percentiles([t.latency_s * 1000 for t in timed]),
             "queue_ms": percentiles([e["meta"]["queue_ms"] for e in envelopes]),

@@ -167,8 +167,9 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         "| configuration | settings | texts/s | × offline | padding efficiency |",
         "|---|---|---:|---:|---:|",
         "| (1) offline limit: in-process, length-sorted | batch "
-        f"{saturation['offline']['batch_size']}, {saturation['offline']['torch_threads']} torch "
-        f"thread(s) | {saturation['offline']['median']:.1f} | 1.00 | — |",
+        f"{saturation['offline']['batch_size']}, {saturation['offline'].get('instances', 1)} "
+        f"instance(s) x {saturation['offline']['torch_threads']} torch thread(s) | "
+        f"{saturation['offline']['median']:.1f} | 1.00 | — |",
     ]
     for name, label in (("redbatch", "(2) redbatch, length buckets"),
                         ("fifo", "(3) FIFO batching (`bucket_boundaries = []`)"),
@@ -183,7 +184,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         f"vs batch size 1: ×{saturation['batch1']['bucketing_speedup']:.2f}. The offline "
         f"configuration was chosen on {results['offline_configs']['texts']} texts: "
         + ", ".join(f"{k}: {v:.1f}" for k, v in results["offline_configs"]["rates"].items())
-        + " texts/s. The workers use the same batch size and torch thread count. "
+        + " texts/s. The workers use the same batch size, instances and torch thread count. "
         f"`merge_tokens` measured at warm-up by the bucketed worker: "
         f"{saturation['redbatch'].get('merge_tokens')}.",
         "",

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from bench.corpus import paragraphs
 from bench.load import poisson_offsets
+from bench.measure import Layout, layouts, offline_rate
 from bench.report import targets
 from bench.stats import histogram, percentile
+from tests.test_instances import OverlapCountingEcho
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -50,3 +54,19 @@ def test_targets_compare_each_figure_with_its_bar() -> None:
         "scaling": {"processes": {1: {"factor": 1.0}, 2: {"factor": 1.9}, 4: {"factor": 3.0}}},
     }
     assert [t["met"] for t in targets(results)] == [True, False, True, False, True, True, False]
+
+
+def test_offline_layouts_cover_one_instance_and_one_per_core() -> None:
+    assert layouts(1) == [Layout(1, 1)]
+    assert layouts(2) == [Layout(1, 1), Layout(1, 2), Layout(2, 1)]
+    assert layouts(8) == [Layout(1, 1), Layout(1, 8), Layout(8, 1)]
+
+
+def test_offline_instances_share_the_batches_and_run_at_once() -> None:
+    model = OverlapCountingEcho(delay_ms=30)
+    default = torch.get_num_threads()
+    try:
+        assert offline_rate(model, [f"text {i}" for i in range(8)], 2, Layout(2, 1)) > 0
+    finally:
+        torch.set_num_threads(default)
+    assert model.batches == 4 and model.most == 2

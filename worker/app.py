@@ -32,7 +32,7 @@ from worker.memory import memory_probe
 from worker.models import Model, ModelLoadError, create_model
 from worker.redis_server import RedisServer
 from worker.sampler import Sampler
-from worker.settings import Settings
+from worker.settings import Settings, threads_per_instance
 from worker.worker import Worker
 
 log = structlog.get_logger("redbatch")
@@ -76,8 +76,8 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
         device = resolve_device(settings.device)
     except (ModelLoadError, ValueError) as exc:
         raise StartupError(str(exc)) from None
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    torch.set_num_threads(threads_per_instance(settings.torch_threads, torch.get_num_threads(),
+                                               settings.instances))
     started = time.perf_counter()
     try:
         model.load(device)

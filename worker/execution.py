@@ -85,6 +85,11 @@ class Executor:
         self.lanes = Lanes(device, timing)
         self.staging = PinnedStaging(pin=self.lanes.is_cuda)
 
+    def another(self) -> Executor:
+        """One more executor for the same model and device, with its own streams and staging
+        buffers: a second model instance that shares the weights."""
+        return Executor(self.model, self.device, self.lanes.timing)
+
     def stage(self, items: Sequence[Prepared], bucket: int = 0) -> Staged:
         """Collate on the host and start the copy to the device."""
         host_batch = self.model.collate(items)

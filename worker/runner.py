@@ -9,6 +9,7 @@ its batch-mates; only a request that runs out of memory alone is answered `too_l
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,9 +59,13 @@ def _without_frames(exc: Exception) -> Exception:
 
 class BatchRunner:
     def __init__(self, executor: Executor, governor: Governor, memory: MemoryProbe,
-                 model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
+                 model_name: str, clock: Callable[[], float] = time.monotonic,
+                 governing: threading.Lock | None = None) -> None:
+        """`governing`: held while the governor changes; model instances share the governor,
+        and the batcher reads its caps under the same lock."""
         self.executor = executor
         self.governor = governor
+        self.governing = governing or threading.Lock()
         self.memory = memory
         self.model_name = model_name
         self.clock = clock
@@ -138,12 +143,13 @@ class BatchRunner:
     def _recover(self, bucket: int, items: Sequence[Prepared]) -> list[Any]:
         self.memory.release_cache()
         tokens = padded_tokens(items)
-        self.governor.on_out_of_memory(bucket, len(items), tokens, self.clock())
+        with self.governing:
+            self.governor.on_out_of_memory(bucket, len(items), tokens, self.clock())
+            self._publish_caps()
+            log.warning("batch.out_of_memory", bucket=bucket, size=len(items),
+                        padded_tokens=tokens, cap=self.governor.caps[bucket])
         self.oom_events += 1
         metrics.OOM_EVENTS.labels(self.model_name, str(bucket)).inc()
-        self._publish_caps()
-        log.warning("batch.out_of_memory", bucket=bucket, size=len(items), padded_tokens=tokens,
-                    cap=self.governor.caps[bucket])
         if len(items) == 1:
             return [TooLarge(f"input of length {items[0].length} does not fit in memory "
                              "even alone")]
@@ -157,17 +163,20 @@ class BatchRunner:
     def release_if_fragmented(self) -> None:
         """Fragmentation guard, called when idle: give back a large unused cache."""
         reading = self.memory.read()
-        if self.governor.should_release_cache(reading):
+        with self.governing:
+            release = self.governor.should_release_cache(reading)
+        if release:
             self.memory.release_cache()
             log.info("memory.cache_released", cached_bytes=reading.cached)
 
     def _observe(self, bucket: int, items: Sequence[Prepared]) -> None:
         reading = self.memory.read()
         self._publish_memory(reading)
-        if self.governor.observe(bucket, padded_tokens(items), reading, self.clock()):
-            self._publish_caps()
-            log.info("governor.caps", memory_fraction=round(reading.fraction, 3),
-                     caps=[(c.requests, c.tokens) for c in self.governor.caps])
+        with self.governing:
+            if self.governor.observe(bucket, padded_tokens(items), reading, self.clock()):
+                self._publish_caps()
+                log.info("governor.caps", memory_fraction=round(reading.fraction, 3),
+                         caps=[(c.requests, c.tokens) for c in self.governor.caps])
 
     def _publish_memory(self, reading: MemoryReading) -> None:
         used, limit, reserved, allocated = self._memory_gauges

@@ -37,8 +37,12 @@ class Settings(BaseSettings):
     model_name: str = Field("", description="name in the stream key; default derived from model")
     model_options: dict[str, Any] = Field(default_factory=dict)
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: torch's "
-                               "default (one per core). Fewer helps on a shared, loaded CPU")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: the "
+                               "cores shared out among the processes and instances")
+    instances: int = Field(1, gt=0, description=(
+        "model instances in each process: batches computed at once from one queue, sharing "
+        "one copy of the weights (Triton's instance_group count). On a CPU, several instances "
+        "of fewer threads each beat one of many at small batches"))
 
     max_batch_size: int = Field(32, gt=0)
     max_batch_tokens: int = Field(8192, gt=0, description="cap on n x longest per batch")
@@ -112,6 +116,13 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+
+def threads_per_instance(torch_threads: int, default: int, instances: int,
+                         processes: int = 1) -> int:
+    """torch threads for each model instance: `torch_threads` when set, else torch's default
+    (one per core) shared out among every instance of every process, so none oversubscribe."""
+    return torch_threads or max(1, default // (instances * processes))
 
 
 class SettingsError(Exception):

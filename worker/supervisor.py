@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import structlog
+import torch
 from prometheus_client import CollectorRegistry, multiprocess
 
 from worker.app import StartupError, redis_url
 from worker.endpoints import start_server
-from worker.settings import Settings
+from worker.settings import Settings, threads_per_instance
 from worker.worker import backoff_delays
 
 log = structlog.get_logger("redbatch.supervisor")
@@ -38,12 +39,16 @@ POLL_S = 0.2
 
 
 def child_settings(settings: Settings, url: str) -> list[Settings]:
-    """One Settings per child: its slot's consumer name and device, one process, no /metrics."""
+    """One Settings per child: its slot's consumer name and device, one process, no /metrics,
+    and its share of the cores."""
     devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
     slots = devices or [settings.device] * settings.processes
+    threads = threads_per_instance(settings.torch_threads, torch.get_num_threads(),
+                                   settings.instances, len(slots))
     return [settings.model_copy(update={
         "consumer": f"{settings.consumer}-{slot}", "device": device, "redis_url": url,
-        "processes": 1, "devices": "", "metrics_port": 0}) for slot, device in enumerate(slots)]
+        "processes": 1, "devices": "", "metrics_port": 0, "torch_threads": threads})
+        for slot, device in enumerate(slots)]
 
 
 def settings_flags(settings: Settings) -> list[str]:

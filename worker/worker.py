@@ -1,11 +1,15 @@
-"""The worker: three threads joined by a bucketed batcher and a reply queue.
+"""The worker: threads joined by a bucketed batcher and a reply queue.
 
-    reader thread   XREADGROUP -> validate -> decode -> model.prepare -> Batcher
-    compute thread  Batcher.next_batch -> BatchRunner (the model)     -> reply queue
-    reply thread    encode envelopes -> Lua reply+ack                  -> frees in-flight slots
+    reader thread     XREADGROUP -> validate -> decode -> model.prepare -> Batcher
+    compute thread(s) Batcher.next_batch -> BatchRunner (the model)     -> reply queue
+    reply thread      encode envelopes -> Lua reply+ack                  -> frees in-flight slots
+
+There is one compute thread per model instance (`instances`): they take batches from the
+one queue, like several servers at one counter, and share the weights and the governor.
 
 Decoding and tokenising the next requests overlaps the compute of the current batch, the
-next batch is collated and copied to the device while the current one runs, and replies
+next batch is collated and copied to the device while the current one runs (unless another
+instance is free to start it at once), and replies
 are written while the next batch runs. At most `max_inflight` entries are held between
 reading and answering, so other workers in the group get the rest. The memory governor
 sets each bucket's batch caps; a batch that runs out of memory is split and retried.
@@ -131,18 +135,21 @@ class Worker:
         sizes = {i: calibrated[b] for i, b in enumerate(boundaries) if b in calibrated}
         self.governor = Governor(limits, len(boundaries) + 1, policy_from_settings(settings),
                                  sizes)
-        self.runner = BatchRunner(executor, self.governor,
-                                  memory_probe(executor.device, settings.memory_limit_bytes),
-                                  self.name)
+        self._lock = threading.Lock()  # guards batcher, governor, _held, _reading and _idle
+        memory = memory_probe(executor.device, settings.memory_limit_bytes)
+        executors = [executor] + [executor.another() for _ in range(settings.instances - 1)]
+        self.runners = [BatchRunner(e, self.governor, memory, self.name, governing=self._lock)
+                        for e in executors]  # one per model instance
+        self.runner = self.runners[0]  # warm-up and calibration measure this one
         self.batcher = Batcher(boundaries, limits, caps=self.governor.limits)
         self.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
                               else settings.merge_tokens)
-        self._lock = threading.Lock()  # guards batcher, _held and _reading
         # Two conditions on it, so each thread wakes only for what it waits for:
         self._room = threading.Condition(self._lock)  # answers written: in-flight slots free
         self._work = threading.Condition(self._lock)  # requests queued, or reading stopped
         self._held: set[str] = set()  # entry ids read and not yet answered
         self._reading = True
+        self._idle = 0  # model instances waiting for a batch
         self._answers: queue.Queue[list[Answer] | None] = queue.Queue()
         self.stopping = threading.Event()
         self.ready = threading.Event()
@@ -160,12 +167,20 @@ class Worker:
         replier.start()
         threading.Thread(target=self.maintenance.run, args=(self.stopping,),
                          name="redbatch-maintenance", daemon=True).start()
+        instances = [threading.Thread(target=self._compute_thread, args=(runner,),
+                                      name=f"redbatch-compute-{index}", daemon=True)
+                     for index, runner in enumerate(self.runners[1:], start=1)]
+        for instance in instances:
+            instance.start()
         self.ready.set()
         log.info("worker.serving", stream=self.stream, group=self.settings.group,
-                 consumer=self.settings.consumer, buckets=self.batcher.boundaries)
+                 consumer=self.settings.consumer, buckets=self.batcher.boundaries,
+                 instances=len(self.runners))
         try:
-            self._compute_loop()
+            self._compute_thread(self.runner)  # the first instance computes in this thread
         finally:
+            for instance in instances:
+                instance.join()
             self._answers.put(None)
             replier.join()
             reader.join()
@@ -299,28 +314,38 @@ class Worker:
 
     # --- computing ----------------------------------------------------------------------------
 
-    def _compute_loop(self) -> None:
+    def _compute_thread(self, runner: BatchRunner) -> None:
+        """One model instance's loop; a bug in it stops the worker with a failure status."""
+        try:
+            self._compute_loop(runner)
+        except Exception:
+            self._fail(threading.current_thread().name)
+
+    def _compute_loop(self, runner: BatchRunner) -> None:
         """Double buffering: batch N+1 is staged (collated, copied) while batch N computes."""
         running: Job | None = None
         while True:
             if running is None:
-                self.runner.release_if_fragmented()  # about to wait: a moment to tidy memory
+                runner.release_if_fragmented()  # about to wait: a moment to tidy memory
             batch = self._next_batch(block=running is None)
             if batch is None and running is None:
                 return
-            upcoming = self.runner.stage(batch) if batch is not None else None
+            upcoming = runner.stage(batch) if batch is not None else None
             if running is not None:
-                self._answers.put(self._complete(running))
+                self._answers.put(self._complete(runner, running))
             if upcoming is not None:
-                self.runner.launch(upcoming)
+                runner.launch(upcoming)
             running = upcoming
 
     def _next_batch(self, block: bool = True) -> Batch | None:
         """The batch that is due, waiting for one if `block`. None once reading has stopped
         and nothing is left, or the shutdown grace has passed (what is left stays pending for
-        others); not blocking, also None when no batch is due yet."""
+        others); not blocking, also None when no batch is due yet, or when another instance
+        is idle: it can start the batch now, rather than after our current one."""
         with self._lock:
             while time.monotonic() < self._give_up_at:
+                if not block and self._idle:
+                    return None
                 # Nothing more can arrive: don't wait for a batch to fill.
                 flush = not self._reading or len(self._held) >= self.settings.max_inflight
                 batch = self.batcher.next_batch(time.monotonic(), int(time.time() * 1000), flush)
@@ -329,17 +354,21 @@ class Worker:
                 if not self._reading:
                     return None
                 until_ready = self.batcher.seconds_until_ready(time.monotonic())
-                self._work.wait(0.5 if until_ready is None else until_ready)
+                self._idle += 1
+                try:
+                    self._work.wait(0.5 if until_ready is None else until_ready)
+                finally:
+                    self._idle -= 1
             return None
 
-    def _complete(self, job: Job) -> list[Answer]:
+    def _complete(self, runner: BatchRunner, job: Job) -> list[Answer]:
         batch = job.batch
         answers = [error_answer(p.entry_id, p.request, ErrorCode.DEADLINE_EXCEEDED,
                                 "deadline passed while queued") for p in batch.expired]
         if not batch.members:
             return answers
         try:
-            results = self.runner.finish(job)
+            results = runner.finish(job)
         except Exception as exc:
             log.exception("batch.failed", bucket=batch.bucket, size=len(batch.members))
             message = f"{type(exc).__name__}: {exc}"
