@@ -195,7 +195,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         "",
         f"Settings {latency['settings']}; {latency['seconds_per_level']:g} s of arrivals per "
         "level. Queue wait: from XADD to the start of the request's batch. Model busy: the "
-        "batches' compute time over the level's duration.",
+        "batches' compute time over the level's duration, per model instance.",
         "",
         "| load | req/s | e2e p50 | e2e p95 | e2e p99 | queue p50 | queue p95 | queue p99 | "
         "batch compute p99 | batch size mean | model busy |",
