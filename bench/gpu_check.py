@@ -4,7 +4,8 @@ Four checks, within 5 minutes on one GPU:
   overlap     CUDA event timings: the next batch's copy happens during this batch's compute
   governor    a ballast allocation leaves little free memory: the caps are cut, and grow back
   oom split   a batch far too large for the memory left is split until it fits; all answered
-  throughput  MiniLM through the worker (embedded Redis) against the same model run offline
+  throughput  MiniLM through the worker (embedded Redis), with one and two model instances
+              (each on its own CUDA streams), against the same model run offline
 Without a CUDA device it says so and exits 0.
 """
 
@@ -142,7 +143,7 @@ def offline_throughput(model: Model, device: torch.device, texts: Sequence[str],
 
 
 def worker_throughput(model: Model, device: torch.device, texts: Sequence[str],
-                      batch_size: int) -> float:
+                      batch_size: int, instances: int = 1) -> float:
     """Through Redis and the worker, as a producer sees it: submit all, wait for all."""
     from producer import Client
     from worker.app import connect
@@ -152,7 +153,8 @@ def worker_throughput(model: Model, device: torch.device, texts: Sequence[str],
 
     with tempfile.TemporaryDirectory() as data, RedisServer(Path(data)) as server:
         settings = load_settings(None, redis_url=server.url, model="minilm", metrics_port=0,
-                                 max_batch_size=batch_size, device=str(device))
+                                 max_batch_size=batch_size, device=str(device),
+                                 instances=instances)
         worker = Worker(settings, model, Executor(model, device), connect(server.url, 1000))
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
@@ -173,12 +175,14 @@ def check_throughput(model: Model, device: torch.device, repeat: int = 50) -> No
     texts = SENTENCES.read_text().splitlines() * repeat
     offline = offline_throughput(model, device, texts, 64)
     say(f"offline loop, batches of 64:   {offline:9.0f} texts/s ({len(texts)} texts)")
-    try:
-        served = worker_throughput(model, device, texts, 64)
-    except Exception as exc:  # e.g. no redis-server binary on this machine
-        say(f"through the worker: not measured ({type(exc).__name__}: {exc})")
-        return
-    say(f"through the worker and Redis: {served:9.0f} texts/s ({served / offline:.0%} of offline)")
+    for instances in (1, 2):
+        try:
+            served = worker_throughput(model, device, texts, 64, instances)
+        except Exception as exc:  # e.g. no redis-server binary on this machine
+            say(f"through the worker: not measured ({type(exc).__name__}: {exc})")
+            return
+        say(f"through the worker and Redis, {instances} instance(s): {served:9.0f} texts/s "
+            f"({served / offline:.0%} of offline)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,3 +102,17 @@ def test_cuda_copy_of_the_next_batch_overlaps_the_current_compute() -> None:
     origin = current.staged.copy_started
     copy_end = origin.ms_until(upcoming.copied)
     assert copy_end < origin.ms_until(current.done)  # copied before the current batch ended
+
+
+@needs_cuda
+def test_cuda_instances_run_on_their_own_streams_with_the_same_results() -> None:
+    device = torch.device("cuda")
+    model = create_model("minilm", {})
+    model.load(device)
+    first = Executor(model, device)
+    second = first.another()
+    assert second.model is model and second.lanes.compute_stream != first.lanes.compute_stream
+    items = [model.sample(16), model.sample(12)]
+    one, two = first.run(items, bucket=0), second.run(items, bucket=0)
+    assert torch.allclose(torch.tensor(one[0]["embedding"]), torch.tensor(two[0]["embedding"]),
+                          atol=1e-5)
