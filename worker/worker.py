@@ -9,10 +9,10 @@ one queue, like several servers at one counter, and share the weights and the go
 
 Decoding and tokenising the next requests overlaps the compute of the current batch, the
 next batch is collated and copied to the device while the current one runs (unless another
-instance is free to start it at once), and replies
-are written while the next batch runs. At most `max_inflight` entries are held between
-reading and answering, so other workers in the group get the rest. The memory governor
-sets each bucket's batch caps; a batch that runs out of memory is split and retried.
+instance is free to start it at once), and replies are written while the next batch runs.
+At most `max_inflight` entries are held between reading and answering, so other workers in
+the group get the rest. The memory governor sets each bucket's batch caps; a batch that runs
+out of memory is split and retried.
 
 Reliability lives beside it: the reader also claims dead consumers' entries (reclaimer.py)
 and diverts poison ones (deadletter.py); a maintenance thread trims and exports the backlog
