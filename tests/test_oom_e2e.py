@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import pytest
 import redis
 import torch
 from prometheus_client import REGISTRY
@@ -35,15 +36,16 @@ def collect(client: Client, ids: list[str]) -> list[dict]:
     return [client.wait(request_id, timeout=30) for request_id in ids]
 
 
+@pytest.mark.parametrize("instances", [1, 2])  # two: the instances share the one governor
 def test_oom_batches_split_caps_drop_and_recover(redis_url: str, r: redis.Redis,
-                                                 worker_factory) -> None:
+                                                 worker_factory, instances: int) -> None:
     client = Client(redis_url, "pressuremodel")
     ids = client.submit_many(payload(i) for i in range(48))  # queued before the worker starts
     too_large = client.submit(payload(-1, pad=200))
     settings = dict(model="tests.plugin_models:PressureModel",
                     model_options={"max_padded_tokens": N}, bucket_boundaries=[64],
                     max_batch_size=16, max_batch_tokens=480, max_wait_ms=20,
-                    memory_limit_bytes=1 << 40, governor_grow_after_s=60)
+                    memory_limit_bytes=1 << 40, governor_grow_after_s=60, instances=instances)
     model = PressureModel(max_padded_tokens=N)  # its own: the requests are already queued
     model.load(torch.device("cpu"))
     with worker_factory(instance=model, **settings) as worker:
@@ -54,14 +56,16 @@ def test_oom_batches_split_caps_drop_and_recover(redis_url: str, r: redis.Redis,
             refused = client.wait(too_large, timeout=30)
             assert refused["ok"] is False and refused["error"]["code"] == "too_large"
 
-            runner, governor = worker.runner, worker.governor
+            governor = worker.governor
+            splits = sum(runner.splits for runner in worker.runners)
+            oom_events = sum(runner.oom_events for runner in worker.runners)
             under_pressure = governor.caps[0]
-            print(f"\nunder pressure: {len(ids) + 1} requests, {runner.oom_events} OOM events, "
-                  f"{runner.splits} splits, caps {governor.base[0]} -> {under_pressure}")
-            assert runner.splits >= 3 and under_pressure.tokens <= N
+            print(f"\nunder pressure: {len(ids) + 1} requests, {oom_events} OOM events, "
+                  f"{splits} splits, caps {governor.base[0]} -> {under_pressure}")
+            assert splits >= 3 and under_pressure.tokens <= N
             assert max(model.batch_tokens) <= N
             labels = {"model": "pressuremodel", "bucket": "0"}
-            assert sample("redbatch_oom_splits_total", labels) >= runner.splits
+            assert sample("redbatch_oom_splits_total", labels) >= splits
             assert sample("redbatch_batch_cap", {**labels, "kind": "tokens"}) == \
                 under_pressure.tokens
 
