@@ -31,7 +31,9 @@ class Prepared:
 class Model(ABC):
     """Subclass this and name it in settings as `model = "package.module:ClassName"`.
 
-    The constructor receives the `model_options` table as keyword arguments.
+    The constructor receives the `model_options` table as keyword arguments. With
+    `instances` above 1, collate, forward and postprocess run on several threads at once
+    (one per instance) on this one object: keep per-batch state out of `self`.
     """
 
     #: bucket boundaries used when the settings give none
