@@ -76,3 +76,37 @@ def test_payloads_other_than_a_text_object_are_invalid(
         assert envelope["ok"] is False and envelope["error"]["code"] == "invalid_request"
         assert '{"text": <string>}' in envelope["error"]["message"]
     assert served["tokens"] == 4  # [CLS] still serving [SEP]
+
+
+@pytest.fixture(scope="module")
+def eager() -> MiniLMModel:
+    model = MiniLMModel(trace=False)
+    model.load(torch.device("cpu"))
+    return model
+
+
+def test_on_a_cpu_the_encoder_is_traced_and_gives_eagers_results(eager: MiniLMModel) -> None:
+    from tests.conftest import loaded_model
+
+    traced: Any = loaded_model("minilm", {})
+    assert isinstance(traced.encoder, torch.jit.ScriptModule)
+    assert not isinstance(eager.encoder, torch.jit.ScriptModule)
+    for texts in (TEXTS, TEXTS[:1], TEXTS[3:5]):  # shapes it was not traced with
+        items = [traced.prepare({"text": text}, len(text)) for text in texts]
+        with torch.inference_mode():
+            got = traced.forward(traced.collate(items))
+            want = eager.forward(eager.collate(items))
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_trace_that_fails_leaves_the_encoder_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("cannot trace this")
+
+    monkeypatch.setattr(torch.jit, "trace", broken)
+    model = MiniLMModel()
+    model.load(torch.device("cpu"))
+    assert not isinstance(model.encoder, torch.jit.ScriptModule)
+    item = model.prepare({"text": "still works"}, 11)
+    with torch.inference_mode():
+        assert model.forward(model.collate([item])).shape == (1, 384)
