@@ -25,7 +25,7 @@ class Plan:
 
 PLANS = {
     "full": Plan("full", corpus_size=800, corpus_files=None, repeats=3, batch_sizes=(16, 32),
-                 selection_texts=300, loads=(0.25, 0.5, 0.75), latency_s=20.0,
+                 selection_texts=300, loads=(0.25, 0.5, 0.75), latency_s=30.0,
                  echo_requests=50_000, scaling_processes=(1, 2, 4), scaling_requests=2400),
     "quick": Plan("quick", corpus_size=400, corpus_files=None, repeats=2, batch_sizes=(16, 32),
                   selection_texts=200, loads=(0.25, 0.5, 0.75), latency_s=5.0,
