@@ -69,7 +69,6 @@ def offline_rate(model: Model, texts: Sequence[str], batch_size: int, layout: La
     return len(texts) / (time.perf_counter() - started)
 
 
-
 def batches_of(envelopes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One meta per batch: replies of a batch share worker, size and compute time."""
     seen: dict[tuple[Any, ...], dict[str, Any]] = {}
