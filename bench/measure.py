@@ -62,8 +62,7 @@ def offline_rate(model: Model, texts: Sequence[str], batch_size: int, layout: La
     started = time.perf_counter()
     items = [model.prepare({"text": text}, len(text.encode())) for text in texts]
     items.sort(key=lambda item: item.length, reverse=True)
-    with ThreadPoolExecutor(layout.instances, initializer=torch.set_num_threads,
-                            initargs=(layout.threads,)) as instances:
+    with ThreadPoolExecutor(layout.instances) as instances:  # torch's thread count is global
         list(instances.map(run, [items[start:start + batch_size]
                                  for start in range(0, len(items), batch_size)]))
     return len(texts) / (time.perf_counter() - started)

@@ -167,7 +167,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
         "| configuration | settings | texts/s | × offline | padding efficiency |",
         "|---|---|---:|---:|---:|",
         "| (1) offline limit: in-process, length-sorted | batch "
-        f"{saturation['offline']['batch_size']}, {saturation['offline'].get('instances', 1)} "
+        f"{saturation['offline']['batch_size']}, {saturation['offline']['instances']} "
         f"instance(s) x {saturation['offline']['torch_threads']} torch thread(s) | "
         f"{saturation['offline']['median']:.1f} | 1.00 | — |",
     ]

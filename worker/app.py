@@ -26,7 +26,7 @@ from worker.calibration import (
     warm_up,
     write_calibration,
 )
-from worker.execution import Executor, resolve_device
+from worker.execution import DEFAULT_TORCH_THREADS, Executor, resolve_device
 from worker.health import Readiness
 from worker.memory import memory_probe
 from worker.models import Model, ModelLoadError, create_model
@@ -76,7 +76,7 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
         device = resolve_device(settings.device)
     except (ModelLoadError, ValueError) as exc:
         raise StartupError(str(exc)) from None
-    torch.set_num_threads(threads_per_instance(settings.torch_threads, torch.get_num_threads(),
+    torch.set_num_threads(threads_per_instance(settings.torch_threads, DEFAULT_TORCH_THREADS,
                                                settings.instances))
     started = time.perf_counter()
     try:

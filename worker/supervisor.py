@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import structlog
-import torch
 from prometheus_client import CollectorRegistry, multiprocess
 
 from worker.app import StartupError, redis_url
 from worker.endpoints import start_server
+from worker.execution import DEFAULT_TORCH_THREADS
 from worker.settings import Settings, threads_per_instance
 from worker.worker import backoff_delays
 
@@ -43,7 +43,7 @@ def child_settings(settings: Settings, url: str) -> list[Settings]:
     and its share of the cores."""
     devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
     slots = devices or [settings.device] * settings.processes
-    threads = threads_per_instance(settings.torch_threads, torch.get_num_threads(),
+    threads = threads_per_instance(settings.torch_threads, DEFAULT_TORCH_THREADS,
                                    settings.instances, len(slots))
     return [settings.model_copy(update={
         "consumer": f"{settings.consumer}-{slot}", "device": device, "redis_url": url,

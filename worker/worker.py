@@ -140,7 +140,6 @@ class Worker:
         executors = [executor] + [executor.another() for _ in range(settings.instances - 1)]
         self.runners = [BatchRunner(e, self.governor, memory, self.name, governing=self._lock)
                         for e in executors]  # one per model instance
-        self.runner = self.runners[0]  # warm-up and calibration measure this one
         self.batcher = Batcher(boundaries, limits, caps=self.governor.limits)
         self.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
                               else settings.merge_tokens)
@@ -202,6 +201,11 @@ class Worker:
         with self._lock:
             self._room.notify_all()
             self._work.notify_all()
+
+    @property
+    def runner(self) -> BatchRunner:
+        """The first instance's runner: warm-up and calibration measure this one."""
+        return self.runners[0]
 
     def set_merge_tokens(self, merge_tokens: int) -> None:
         """How much padding a merge of buckets may add (batching.py); warm-up measures it."""
