@@ -38,6 +38,9 @@ CASES = {
     "model that cannot load": Case(["--model", "tests.plugin_models:UnloadableModel"],
                                    "cannot load model 'tests.plugin_models:UnloadableModel': "
                                    "FileNotFoundError: weights.bin not found"),
+    # {{ }}: the arguments go through str.format
+    "bad model option": Case(["--model", "minilm", "--model-options", '{{"trace": "no"}}'],
+                             "bad model_options for 'minilm': trace must be true, false or null"),
     "unreachable Redis": Case(["--redis-url", "redis://127.0.0.1:{port}/0"],
                               "cannot reach Redis at redis://127.0.0.1:{port}/0"),
 }

@@ -56,6 +56,8 @@ class MiniLMModel(Model):
     def __init__(self, path: str | None = None, max_seq_length: int = MAX_SEQ_LENGTH,
                  trace: bool | None = None) -> None:
         """`trace`: run the encoder as a TorchScript trace; None: on a CPU (measured there)."""
+        if trace not in (None, True, False):
+            raise ValueError(f"trace must be true, false or null (on a CPU); got {trace!r}")
         self.path = Path(path) if path else bundled_model_path()
         self.max_seq_length = max_seq_length
         self.trace = trace
