@@ -20,8 +20,8 @@ from bench.measure import Benchmark, Layout
 from bench.plan import PLANS
 from bench.report import markdown, targets, write_json, write_plots
 from bench.stats import percentiles
-from worker.log import configure_logging
-from worker.redis_server import RedisServer
+from worker.observe.log import configure_logging
+from worker.streams.server import RedisServer
 
 RESULTS_DIR = Path(__file__).parent / "results"
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stats import Samples
 from producer import protocol
-from worker.redis_server import free_port
+from worker.streams.server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

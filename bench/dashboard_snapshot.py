@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from producer import Client  # noqa: E402
-from worker.redis_server import RedisServer, free_port  # noqa: E402
+from worker.streams.server import RedisServer, free_port  # noqa: E402
 
 Sample = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from worker.batching import BatchLimits
-from worker.execution import Executor, Launched, to_device
-from worker.governor import Governor, GovernorPolicy
-from worker.memory import CudaMemory
+from worker.execution.executor import Executor, Launched, to_device
+from worker.execution.memory import CudaMemory
+from worker.execution.runner import BatchRunner, TooLarge
 from worker.models import Model, create_model
 from worker.models.base import Prepared
-from worker.runner import BatchRunner, TooLarge
+from worker.policy.batching import BatchLimits
+from worker.policy.governor import Governor, GovernorPolicy
 
 GIB = 1 << 30
 SENTENCES = Path(__file__).resolve().parent.parent / "examples" / "sentences.txt"
@@ -147,9 +147,9 @@ def worker_throughput(model: Model, device: torch.device, texts: Sequence[str],
     """Through Redis and the worker, as a producer sees it: submit all, wait for all."""
     from producer import Client
     from worker.app import connect
-    from worker.redis_server import RedisServer
+    from worker.pipeline.worker import Worker
     from worker.settings import load_settings
-    from worker.worker import Worker
+    from worker.streams.server import RedisServer
 
     with tempfile.TemporaryDirectory() as data, RedisServer(Path(data)) as server:
         settings = load_settings(None, redis_url=server.url, model="minilm", metrics_port=0,

@@ -14,8 +14,8 @@ import redis
 
 from producer import protocol
 from producer.protocol import DEFAULT_GROUP
-from worker.replier import Replier, Reply
-from worker.stream import StreamReader
+from worker.streams.reader import StreamReader
+from worker.streams.replier import Replier, Reply
 
 PIPELINE_CHUNK = 1000
 POLL_S = 0.002

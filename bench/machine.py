@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import torch
 
-from worker.redis_server import server_binary
+from worker.streams.server import server_binary
 
 
 def cpu_model() -> str:

@@ -22,7 +22,7 @@ from bench.plan import Plan
 from bench.stats import Samples, histogram, median, percentiles
 from producer import protocol
 from worker.app import freeze_heap
-from worker.execution import Executor, resolve_device
+from worker.execution.executor import Executor, resolve_device
 from worker.models import Model, Prepared, create_model
 
 log = structlog.get_logger("redbatch.bench")

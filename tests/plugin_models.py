@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from worker.governor import MemoryReading
 from worker.models.base import Prepared
 from worker.models.echo import EchoModel
+from worker.policy.governor import MemoryReading
 
 
 def nested(depth: int) -> list[Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from producer.protocol import MSGPACK, Request
-from worker.batching import Batch, Batcher, BatchLimits, Pending, bucket_of, take_members
 from worker.models.base import Prepared
+from worker.policy.batching import Batch, Batcher, BatchLimits, Pending, bucket_of, take_members
 
 LIMITS = BatchLimits(max_batch_size=4, max_batch_tokens=1000, max_wait_s=0.1)
 NOW_MS = 1_700_000_000_000

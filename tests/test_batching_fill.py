@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from producer.protocol import MSGPACK, Request
-from worker.batching import Batcher, BatchLimits, Pending
 from worker.models.base import Prepared
+from worker.policy.batching import Batcher, BatchLimits, Pending
 
 BOUNDARIES = [8, 10, 12, 16, 20, 32]
 NOW_MS = 1_700_000_000_000

@@ -13,16 +13,16 @@ import redis
 
 from tests.plugin_models import FixedMemory, PressureModel
 from worker.app import StartupError, build_worker
-from worker.calibration import (
+from worker.execution.calibration import (
     batch_sizes,
     calibrate_bucket,
     has_plateaued,
     knee,
     load_calibration,
 )
-from worker.execution import Executor, resolve_device
-from worker.governor import MemoryReading
+from worker.execution.executor import Executor, resolve_device
 from worker.models.base import Prepared
+from worker.policy.governor import MemoryReading
 from worker.settings import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

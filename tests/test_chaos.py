@@ -29,7 +29,7 @@ from tests.chaos import (
     request_ids,
     wait_until,
 )
-from worker.redis_server import RedisServer
+from worker.streams.server import RedisServer
 
 STREAM = stream_key("redbatch", "echo")
 REQUESTS = 2000

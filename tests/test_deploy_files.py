@@ -16,10 +16,10 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-import worker.metrics  # noqa: F401  (registers the metrics)
+import worker.observe.metrics  # noqa: F401  (registers the metrics)
 from producer import protocol
 from worker.cli import COMMANDS
-from worker.endpoints import router
+from worker.observe.endpoints import router
 from worker.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]

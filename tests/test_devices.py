@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.plugin_models import MatmulModel
-from worker.devices import Lanes, Marker, PinnedStaging
-from worker.execution import Executor, resolve_device
-from worker.memory import CudaMemory
+from worker.execution.devices import Lanes, Marker, PinnedStaging
+from worker.execution.executor import Executor, resolve_device
+from worker.execution.memory import CudaMemory
 from worker.models import create_model
 from worker.models.base import Prepared
 

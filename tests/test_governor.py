@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from producer.protocol import Request
-from worker.batching import Batcher, BatchLimits, Pending
-from worker.governor import Cap, Governor, GovernorPolicy, MemoryReading
 from worker.models.base import Prepared
+from worker.policy.batching import Batcher, BatchLimits, Pending
+from worker.policy.governor import Cap, Governor, GovernorPolicy, MemoryReading
 from worker.settings import SettingsError, load_settings
 
 LIMITS = BatchLimits(max_batch_size=32, max_batch_tokens=8192, max_wait_s=0.005)

@@ -12,11 +12,11 @@ from producer import Client
 from producer.protocol import MSGPACK, Request
 from tests.conftest import loaded_model
 from worker.app import connect
-from worker.batching import Pending
-from worker.execution import Executor, resolve_device
+from worker.execution.executor import Executor, resolve_device
 from worker.models.echo import EchoModel
+from worker.pipeline.worker import Worker
+from worker.policy.batching import Pending
 from worker.settings import load_settings
-from worker.worker import Worker
 
 
 class OverlapCountingEcho(EchoModel):

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import structlog
-from worker.log import configure_logging
+from worker.observe.log import configure_logging
 configure_logging("info", "json")
 try:
     1 / 0

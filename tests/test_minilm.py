@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from producer import Client
 from producer.protocol import CONTENT_TYPES
-from worker.batching import bucket_of
 from worker.models.minilm import MAX_SEQ_LENGTH, MiniLMModel, bundled_model_path
+from worker.policy.batching import bucket_of
 
 TEXTS = [
     "A cat sat on the mat.",

@@ -18,16 +18,16 @@ from prometheus_client import REGISTRY
 
 from producer import Client, protocol
 from worker.cli import main
-from worker.endpoints import start_server
-from worker.health import Readiness
-from worker.sampler import Sampler
-from worker.stream import StreamReader
-from worker.stream_stats import (
+from worker.observe.endpoints import start_server
+from worker.observe.health import Readiness
+from worker.observe.sampler import Sampler
+from worker.streams.queue_stats import (
     RateMeter,
     count_undelivered,
     drain_seconds,
     read_stream_stats,
 )
+from worker.streams.reader import StreamReader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,7 +232,7 @@ def test_stats_explains_a_missing_or_unreachable_redis(
 def test_observe_all_counts_exactly_as_observe_does() -> None:
     from prometheus_client import CollectorRegistry, Histogram
 
-    from worker.metrics import LATENCY_BUCKETS, observe_all
+    from worker.observe.metrics import LATENCY_BUCKETS, observe_all
 
     registry = CollectorRegistry()
     one = Histogram("one_by_one", "", ["m"], buckets=LATENCY_BUCKETS, registry=registry)

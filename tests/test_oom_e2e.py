@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from producer import Client
 from tests.plugin_models import PressureModel
-from worker.worker import Worker
+from worker.pipeline.worker import Worker
 
 N = 100  # padded tokens a batch may hold while under pressure
 PAYLOAD_BYTES = 30  # the echo length of each small payload (msgpack)

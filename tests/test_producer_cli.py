@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from worker.redis_server import free_port
+from worker.streams.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

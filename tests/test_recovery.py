@@ -17,11 +17,11 @@ from tests.chaos import pending, request_ids, wait_until
 from tests.conftest import loaded_model, running_worker
 from tests.plugin_models import CountingEcho
 from worker.app import connect
-from worker.deadletter import is_poison, reply_target
-from worker.execution import Executor, resolve_device
-from worker.redis_server import RedisServer
+from worker.execution.executor import Executor, resolve_device
+from worker.pipeline.worker import Worker, backoff_delays
 from worker.settings import load_settings
-from worker.worker import Worker, backoff_delays
+from worker.streams.dead_letters import is_poison, reply_target
+from worker.streams.server import RedisServer
 
 STREAM = stream_key("redbatch", "echo")
 FIELD_NAMES = st.sampled_from([b"id", b"payload", b"content_type", b"reply_to", b"deadline_ms",

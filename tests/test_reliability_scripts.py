@@ -12,11 +12,11 @@ from prometheus_client import REGISTRY
 
 from producer import AsyncClient, Client, Overloaded
 from producer.protocol import dead_letter_key, decode_envelope, entry_fields, stream_key
-from worker.deadletter import DeadLetters, list_dead_letters, requeue_dead_letters
-from worker.maintenance import Maintenance
-from worker.reclaimer import Reclaimer
-from worker.replier import Replier, Reply
-from worker.stream import StreamReader
+from worker.streams.dead_letters import DeadLetters, list_dead_letters, requeue_dead_letters
+from worker.streams.maintenance import Maintenance
+from worker.streams.reader import StreamReader
+from worker.streams.reclaimer import Reclaimer
+from worker.streams.replier import Replier, Reply
 
 STREAM = stream_key("redbatch", "echo")
 GROUP = "workers"

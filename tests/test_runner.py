@@ -8,12 +8,12 @@ import torch
 
 from producer.protocol import Request
 from tests.plugin_models import FixedMemory, PressureModel
-from worker.batching import Batch, BatchLimits, Pending
-from worker.execution import Executor, is_out_of_memory, resolve_device
-from worker.governor import Governor, GovernorPolicy, MemoryReading
-from worker.memory import HostMemory, cgroup_memory_limit
+from worker.execution.executor import Executor, is_out_of_memory, resolve_device
+from worker.execution.memory import HostMemory, cgroup_memory_limit
+from worker.execution.runner import BatchRunner, TooLarge
 from worker.models.base import Prepared
-from worker.runner import BatchRunner, TooLarge
+from worker.policy.batching import Batch, BatchLimits, Pending
+from worker.policy.governor import Governor, GovernorPolicy, MemoryReading
 
 CPU = resolve_device("cpu")
 

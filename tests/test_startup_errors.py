@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.redis_server import free_port
+from worker.streams.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

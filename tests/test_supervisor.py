@@ -29,8 +29,8 @@ from tests.chaos import (
     wait_until,
 )
 from tests.plugin_models import POISON
-from worker.redis_server import free_port
 from worker.settings import load_settings
+from worker.streams.server import free_port
 from worker.supervisor import child_settings, settings_flags
 
 pytestmark = pytest.mark.slow

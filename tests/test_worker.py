@@ -17,8 +17,8 @@ from prometheus_client import REGISTRY
 
 from producer import Client, protocol
 from producer.protocol import JSON, MSGPACK
-from worker.batching import bucket_of
-from worker.replier import Replier, Reply
+from worker.policy.batching import bucket_of
+from worker.streams.replier import Replier, Reply
 
 STREAM = "redbatch:requests:echo"
 SHARED = "test:replies"

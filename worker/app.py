@@ -16,8 +16,7 @@ import redis
 import structlog
 import torch
 
-from worker import metrics
-from worker.calibration import (
+from worker.execution.calibration import (
     CalibrationError,
     calibrate,
     calibration_path,
@@ -26,14 +25,15 @@ from worker.calibration import (
     warm_up,
     write_calibration,
 )
-from worker.execution import DEFAULT_TORCH_THREADS, Executor, resolve_device
-from worker.health import Readiness
-from worker.memory import memory_probe
+from worker.execution.executor import DEFAULT_TORCH_THREADS, Executor, resolve_device
+from worker.execution.memory import memory_probe
 from worker.models import Model, ModelLoadError, create_model
-from worker.redis_server import RedisServer
-from worker.sampler import Sampler
+from worker.observe import metrics
+from worker.observe.health import Readiness
+from worker.observe.sampler import Sampler
+from worker.pipeline.worker import Worker
 from worker.settings import Settings, threads_per_instance
-from worker.worker import Worker
+from worker.streams.server import RedisServer
 
 log = structlog.get_logger("redbatch")
 GRACE_MARGIN_S = 2.0  # beyond shutdown_grace_s, for the last blocking read to return

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from worker.log import configure_logging
+from worker.observe.log import configure_logging
 from worker.settings import Settings, SettingsError, load_settings
 
 COMMANDS = ("run", "demo", "dead-letters", "calibrate", "stats")
@@ -71,7 +71,7 @@ def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
     """List dead letters as JSON lines; with --requeue, put them back on the stream."""
     from producer.protocol import dead_letter_key, stream_key
     from worker.app import connect, redis_url
-    from worker.deadletter import list_dead_letters, requeue_dead_letters
+    from worker.streams.dead_letters import list_dead_letters, requeue_dead_letters
 
     dead_stream = dead_letter_key(settings.namespace, settings.model_name)
     with redis_url(settings) as url:
@@ -111,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(exc)
     configure_logging(settings.log_level, settings.log_format)
     if args.command == "stats":  # reads Redis only: no torch to import
-        from worker.stats import run_stats
+        from worker.commands.stats import run_stats
 
         return run_stats(settings, args.models, args.watch, args.json, args.interval)
     from worker.app import StartupError, run_calibration, serve  # torch: valid settings only
 
     try:
         if args.command == "demo":
-            from worker.demo import run_demo
+            from worker.commands.demo import run_demo
 
             return run_demo(settings, args.sentences, args.count)
         if args.command == "dead-letters":

@@ -27,10 +27,10 @@ import structlog
 from prometheus_client import CollectorRegistry, multiprocess
 
 from worker.app import StartupError, redis_url
-from worker.endpoints import start_server
-from worker.execution import DEFAULT_TORCH_THREADS
+from worker.execution.executor import DEFAULT_TORCH_THREADS
+from worker.observe.endpoints import start_server
+from worker.pipeline.worker import backoff_delays
 from worker.settings import Settings, threads_per_instance
-from worker.worker import backoff_delays
 
 log = structlog.get_logger("redbatch.supervisor")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without backoff

@@ -17,12 +17,12 @@ from typing import Any
 
 import structlog
 
-from worker import metrics
-from worker.batching import Batch
-from worker.execution import Executor, Launched, Staged, is_out_of_memory
-from worker.governor import Governor, MemoryReading
-from worker.memory import MemoryProbe
+from worker.execution.executor import Executor, Launched, Staged, is_out_of_memory
+from worker.execution.memory import MemoryProbe
 from worker.models.base import Prepared
+from worker.observe import metrics
+from worker.policy.batching import Batch
+from worker.policy.governor import Governor, MemoryReading
 
 log = structlog.get_logger("redbatch.runner")
 

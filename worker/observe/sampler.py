@@ -14,9 +14,9 @@ import time
 import redis
 import structlog
 
-from worker import metrics
-from worker.stream_stats import RateMeter, StreamStats, drain_seconds, read_stream_stats
-from worker.worker import Worker
+from worker.observe import metrics
+from worker.pipeline.worker import Worker
+from worker.streams.queue_stats import RateMeter, StreamStats, drain_seconds, read_stream_stats
 
 log = structlog.get_logger("redbatch.sampler")
 

@@ -12,8 +12,8 @@ import redis
 import structlog
 
 from producer.backlog import BACKLOG
-from worker import metrics
-from worker.reclaimer import Reclaimer
+from worker.observe import metrics
+from worker.streams.reclaimer import Reclaimer
 
 log = structlog.get_logger("redbatch.maintenance")
 BACKLOG_GAUGE_CAP = 100_000  # Redis < 7 counts undelivered entries one by one: bound the cost

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from worker.devices import Lanes, Marker, PinnedStaging, map_tensors
+from worker.execution.devices import Lanes, Marker, PinnedStaging, map_tensors
 from worker.models.base import Model, Prepared
 
 # torch's own thread count (one per core), read before anything in this process changes it

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from worker.batching import BatchLimits
+from worker.policy.batching import BatchLimits
 
 if TYPE_CHECKING:
     from worker.settings import Settings

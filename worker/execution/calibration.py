@@ -23,10 +23,10 @@ from typing import Any
 import structlog
 import torch
 
-from worker.execution import Executor, is_out_of_memory
-from worker.memory import MemoryProbe
+from worker.execution.executor import Executor, is_out_of_memory
+from worker.execution.memory import MemoryProbe
+from worker.execution.runner import BatchRunner
 from worker.models.base import Model, Prepared
-from worker.runner import BatchRunner
 
 log = structlog.get_logger("redbatch.calibration")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from worker.worker import Worker
+from worker.pipeline.worker import Worker
 
 
 class RedisProbe(Protocol):

@@ -1,4 +1,4 @@
-"""Reading device memory for the governor (the I/O edge of worker/governor.py).
+"""Reading device memory for the governor (the I/O edge of worker/policy/governor.py).
 
 CUDA: `mem_get_info` for what others hold, plus this process's peak in live tensors during
 the batch (the caching allocator's reserve is reusable, so it does not count as pressure).
@@ -16,7 +16,7 @@ from typing import Protocol
 import psutil
 import torch
 
-from worker.governor import MemoryReading
+from worker.policy.governor import MemoryReading
 
 CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
                       Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))  # cgroup v1

@@ -35,19 +35,19 @@ import structlog
 
 from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry, Request
-from worker import metrics
-from worker.batching import Batch, Batcher, BatchLimits, Pending
-from worker.deadletter import DeadLetters
-from worker.execution import Executor
-from worker.governor import Governor, policy_from_settings
-from worker.maintenance import Maintenance
-from worker.memory import memory_probe
+from worker.execution.executor import Executor
+from worker.execution.memory import memory_probe
+from worker.execution.runner import BatchRunner, Job, TooLarge
 from worker.models.base import Model
-from worker.reclaimer import Reclaimer
-from worker.replier import Replier, Reply
-from worker.runner import BatchRunner, Job, TooLarge
+from worker.observe import metrics
+from worker.policy.batching import Batch, Batcher, BatchLimits, Pending
+from worker.policy.governor import Governor, policy_from_settings
 from worker.settings import Settings
-from worker.stream import Entry, StreamReader
+from worker.streams.dead_letters import DeadLetters
+from worker.streams.maintenance import Maintenance
+from worker.streams.reader import Entry, StreamReader
+from worker.streams.reclaimer import Reclaimer
+from worker.streams.replier import Replier, Reply
 
 log = structlog.get_logger("redbatch.worker")
 T = TypeVar("T")

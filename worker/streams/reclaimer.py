@@ -15,8 +15,8 @@ from typing import Any
 import redis
 import structlog
 
-from worker import metrics
-from worker.stream import Entry, as_text, is_group_lost
+from worker.observe import metrics
+from worker.streams.reader import Entry, as_text, is_group_lost
 
 log = structlog.get_logger("redbatch.reclaimer")
 START = "0-0"

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import redis
 import structlog
 
-from worker import metrics
-from worker.stream import as_text, is_group_lost
+from worker.observe import metrics
+from worker.streams.reader import as_text, is_group_lost
 
 log = structlog.get_logger("redbatch.replier")
 

@@ -15,7 +15,7 @@ import redis
 
 from producer import protocol
 from producer.backlog import BACKLOG
-from worker.stream import as_text
+from worker.streams.reader import as_text
 
 LAG_COUNT_CAP = 100_000
 

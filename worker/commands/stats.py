@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 
 from worker.settings import Settings
-from worker.stream_stats import (
+from worker.streams.queue_stats import (
     RateMeter,
     StreamStats,
     discover_models,

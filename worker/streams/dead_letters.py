@@ -18,8 +18,8 @@ import structlog
 
 from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry
-from worker import metrics
-from worker.stream import Entry, Fields, as_text, is_group_lost
+from worker.observe import metrics
+from worker.streams.reader import Entry, Fields, as_text, is_group_lost
 
 log = structlog.get_logger("redbatch.deadletter")
 DEAD_LETTER_MAXLEN = 100_000  # approximate cap on the dead-letter stream
