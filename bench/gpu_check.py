@@ -146,8 +146,7 @@ def worker_throughput(model: Model, device: torch.device, texts: Sequence[str],
                       batch_size: int, instances: int = 1) -> float:
     """Through Redis and the worker, as a producer sees it: submit all, wait for all."""
     from producer import Client
-    from worker.app import connect
-    from worker.pipeline.worker import Worker
+    from worker.app import assemble_worker, connect
     from worker.settings import load_settings
     from worker.streams.server import RedisServer
 
@@ -155,7 +154,8 @@ def worker_throughput(model: Model, device: torch.device, texts: Sequence[str],
         settings = load_settings(None, redis_url=server.url, model="minilm", metrics_port=0,
                                  max_batch_size=batch_size, device=str(device),
                                  instances=instances)
-        worker = Worker(settings, model, Executor(model, device), connect(server.url, 1000))
+        worker = assemble_worker(settings, model, Executor(model, device),
+                                 connect(server.url, 1000))
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
         client = Client(server.url, "minilm")

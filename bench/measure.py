@@ -21,7 +21,7 @@ from bench.machine import usable_cpus
 from bench.plan import Plan
 from bench.stats import Samples, histogram, median, percentiles
 from producer import protocol
-from worker.app import freeze_heap
+from worker.commands.run import freeze_heap
 from worker.execution.executor import Executor, resolve_device
 from worker.models import Model, Prepared, create_model
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from worker.app import connect
+from worker.app import assemble_worker, connect
 from worker.execution.executor import Executor, resolve_device
 from worker.models import Model, create_model
 from worker.pipeline.worker import Worker
@@ -92,7 +92,7 @@ def running_worker(url: str, model: str = "echo", model_options: dict[str, Any] 
     settings = load_settings(None, redis_url=url, model=model, model_options=model_options or {},
                              metrics_port=0, **overrides)
     instance = instance or loaded_model(settings.model, settings.model_options)
-    worker = Worker(settings, instance, Executor(instance, resolve_device("cpu")),
+    worker = assemble_worker(settings, instance, Executor(instance, resolve_device("cpu")),
                     connect(url, settings.block_ms))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()

@@ -11,10 +11,9 @@ import pytest
 from producer import Client
 from producer.protocol import MSGPACK, Request
 from tests.conftest import loaded_model
-from worker.app import connect
+from worker.app import assemble_worker, connect
 from worker.execution.executor import Executor, resolve_device
 from worker.models.echo import EchoModel
-from worker.pipeline.worker import Worker
 from worker.policy.batching import Pending
 from worker.settings import load_settings
 
@@ -81,12 +80,12 @@ def test_a_busy_instance_leaves_the_next_batch_to_an_idle_one(redis_url: str) ->
     settings = load_settings(None, redis_url=redis_url, model="echo", instances=2,
                              max_wait_ms=0, metrics_port=0)
     model = loaded_model("echo", {})
-    worker = Worker(settings, model, Executor(model, resolve_device("cpu")),
+    worker = assemble_worker(settings, model, Executor(model, resolve_device("cpu")),
                     connect(redis_url, settings.block_ms))
     request = Request("r1", b"", MSGPACK, "reply")
     worker.batcher.add(Pending("1-0", request, model.prepare({"n": 1}, 8), read_at=0.0))
-    worker._idle = 1  # the other instance waits for work
-    assert worker._next_batch(block=False) is None
-    worker._idle = 0
-    batch = worker._next_batch(block=False)
+    worker.inflight.idle = 1  # the other instance waits for work
+    assert worker.computes[0].next_batch(block=False) is None
+    worker.inflight.idle = 0
+    batch = worker.computes[0].next_batch(block=False)
     assert batch is not None and [p.entry_id for p in batch.members] == ["1-0"]

@@ -171,14 +171,14 @@ def test_gauges_combine_across_processes(tmp_path: Path) -> None:
     """Under --processes, each child's gauges land in PROMETHEUS_MULTIPROC_DIR: in-flight
     entries add up, while the stream's state is one value, not a sum."""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    child = ("from worker import metrics; import sys; n = int(sys.argv[1]);"
+    child = ("from worker.observe import metrics; import sys; n = int(sys.argv[1]);"
              "metrics.IN_FLIGHT.labels('m').set(n); metrics.STREAM_LENGTH.labels('m').set(50);"
              "metrics.REQUESTS.labels('m', 'ok').inc(n)")
     for n in (3, 4):
         subprocess.run([sys.executable, "-c", child, str(n)], env=env, check=True, timeout=60)
     exposed = subprocess.run(
         [sys.executable, "-c", "from prometheus_client import generate_latest;"
-         "from worker import metrics; print(generate_latest(metrics.registry()).decode())"],
+         "from worker.observe import metrics; print(generate_latest(metrics.registry()).decode())"],
         env=env, check=True, timeout=60, capture_output=True, text=True).stdout
     assert 'redbatch_inflight{model="m"} 7.0' in exposed
     assert 'redbatch_stream_length{model="m"} 50.0' in exposed

@@ -16,9 +16,9 @@ from producer.protocol import MSGPACK, decode_envelope, encode, entry_fields, st
 from tests.chaos import pending, request_ids, wait_until
 from tests.conftest import loaded_model, running_worker
 from tests.plugin_models import CountingEcho
-from worker.app import connect
+from worker.app import assemble_worker, connect
 from worker.execution.executor import Executor, resolve_device
-from worker.pipeline.worker import Worker, backoff_delays
+from worker.policy.backoff import backoff_delays
 from worker.settings import load_settings
 from worker.streams.dead_letters import is_poison, reply_target
 from worker.streams.server import RedisServer
@@ -121,11 +121,11 @@ def test_stop_gives_up_on_a_dead_redis_after_the_grace(tmp_path: Path,
                                  model_options={"delay_ms": 400}, max_batch_size=4,
                                  shutdown_grace_s=grace_s)
         model = loaded_model("echo", settings.model_options)
-        worker = Worker(settings, model, Executor(model, resolve_device("cpu")),
+        worker = assemble_worker(settings, model, Executor(model, resolve_device("cpu")),
                         connect(server.url, settings.block_ms))
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
-        wait_until(lambda: len(worker._held) >= 20, 10, "entries held")
+        wait_until(lambda: len(worker.inflight.held) >= 20, 10, "entries held")
         server.kill()
         stopped_at = time.monotonic()
         worker.stop()

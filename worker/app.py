@@ -1,42 +1,46 @@
-"""Process-level wiring: connect to (or embed) Redis, load the model, serve until a signal."""
+"""The composition root: connect to (or embed) Redis, load the model, build the worker.
+
+Every part the worker runs with is built here, from the settings, and handed to it built
+(pipeline/worker.py wires the threads and builds nothing). The `run` command
+(commands/run.py) serves what this returns until a signal.
+"""
 
 from __future__ import annotations
 
-import gc
-import os
-import signal
-import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from types import FrameType
 
 import redis
 import structlog
 import torch
 
+from producer import protocol
 from worker.execution.calibration import (
     CalibrationError,
-    calibrate,
     calibration_path,
     load_calibration,
     measure_merge_tokens,
     warm_up,
-    write_calibration,
 )
 from worker.execution.executor import DEFAULT_TORCH_THREADS, Executor, resolve_device
 from worker.execution.memory import memory_probe
+from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
-from worker.observe import metrics
-from worker.observe.health import Readiness
-from worker.observe.sampler import Sampler
-from worker.pipeline.worker import Worker
+from worker.pipeline.worker import Parts, Worker
+from worker.policy.batching import Batcher, BatchLimits
+from worker.policy.governor import Governor, policy_from_settings
 from worker.settings import Settings, threads_per_instance
+from worker.streams.dead_letters import DeadLetters
+from worker.streams.maintenance import Maintenance
+from worker.streams.reader import StreamReader
+from worker.streams.reclaimer import Reclaimer
+from worker.streams.replier import Replier
 from worker.streams.server import RedisServer
 
 log = structlog.get_logger("redbatch")
-GRACE_MARGIN_S = 2.0  # beyond shutdown_grace_s, for the last blocking read to return
+UNMEASURED_MERGE_TOKENS = 32  # a small encoder's on CPU, until warm-up measures the model's
 
 
 class StartupError(Exception):
@@ -103,10 +107,55 @@ def load_batch_sizes(settings: Settings, device: torch.device) -> dict[int, int]
     return sizes
 
 
+def assemble_worker(settings: Settings, model: Model, executor: Executor,
+                    client: redis.Redis, calibrated: Mapping[int, int] | None = None) -> Worker:
+    """The composition root: build every part from the settings and hand them, built, to
+    the Worker. `calibrated`: the best batch size per bucket boundary, from `python -m
+    worker calibrate`; it lowers max_batch_size for that bucket."""
+    name = settings.model_name
+    stream = protocol.stream_key(settings.namespace, name)
+    group, consumer = settings.group, settings.consumer
+    reclaimer = Reclaimer(client, stream, group, consumer, settings.claim_idle_ms, name)
+    boundaries = settings.bucket_boundaries
+    if boundaries is None:
+        boundaries = list(model.default_bucket_boundaries)
+    limits = BatchLimits(settings.max_batch_size, settings.max_batch_tokens,
+                         settings.max_wait_ms / 1000)
+    governor = Governor(limits, len(boundaries) + 1, policy_from_settings(settings),
+                        calibrated_sizes(boundaries, calibrated or {}))
+    lock = threading.Lock()  # the worker's one lock: batcher, governor, in-flight state
+    memory = memory_probe(executor.device, settings.memory_limit_bytes)
+    executors = [executor] + [executor.another() for _ in range(settings.instances - 1)]
+    parts = Parts(
+        reader=StreamReader(client, stream, group, consumer),
+        replier=Replier(client, stream, group, consumer, settings.result_ttl_ms,
+                        protocol.answered_key(settings.namespace, name)),
+        reclaimer=reclaimer,
+        dead_letters=DeadLetters(
+            client, stream, group, consumer, namespace=settings.namespace, model_name=name,
+            max_deliveries=settings.max_deliveries, result_ttl_ms=settings.result_ttl_ms,
+            max_payload_bytes=settings.max_payload_bytes),
+        maintenance=Maintenance(client, stream, group, name, reclaimer,
+                                settings.maintenance_interval_s, settings.consumer_idle_ms),
+        batcher=Batcher(boundaries, limits, caps=governor.limits),
+        governor=governor,
+        runners=[BatchRunner(e, governor, memory, name, governing=lock) for e in executors])
+    worker = Worker(settings, model, parts, lock)
+    worker.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
+                            else settings.merge_tokens)
+    return worker
+
+
+def calibrated_sizes(boundaries: Sequence[int], calibrated: Mapping[int, int]) -> dict[int, int]:
+    """Calibrated batch sizes by bucket index, for the boundaries that were calibrated."""
+    return {i: calibrated[b] for i, b in enumerate(boundaries) if b in calibrated}
+
+
 def build_worker(settings: Settings, client: redis.Redis) -> Worker:
+    """Load the model, assemble the worker, and warm it up."""
     model, device = load_model(settings)
-    worker = Worker(settings, model, Executor(model, device), client,
-                    calibrated=load_batch_sizes(settings, device))
+    worker = assemble_worker(settings, model, Executor(model, device), client,
+                             calibrated=load_batch_sizes(settings, device))
     if settings.warmup:
         warm_up(worker.runner, model, worker.batcher.boundaries)
         if settings.merge_tokens is None and worker.batcher.boundaries:
@@ -125,89 +174,3 @@ def measure_merge(worker: Worker, model: Model) -> None:
         worker.set_merge_tokens(measured)
     log.info("batching.merge_tokens", merge_tokens=worker.batcher.merge_tokens,
              measured=measured is not None)
-
-
-def run_calibration(settings: Settings, repeats: int) -> int:
-    """`python -m worker calibrate`: measure each bucket, write the file `run` will load."""
-    model, device = load_model(settings)
-    boundaries = settings.bucket_boundaries
-    if boundaries is None:
-        boundaries = list(model.default_bucket_boundaries)
-    try:
-        buckets = calibrate(Executor(model, device),
-                            memory_probe(device, settings.memory_limit_bytes), boundaries,
-                            settings.max_batch_size, settings.max_batch_tokens, repeats,
-                            settings.memory_high_watermark)
-    except CalibrationError as exc:
-        raise StartupError(str(exc)) from None
-    path = calibration_path(settings.calibration_dir, settings.model_name, device)
-    write_calibration(path, settings.model_name, device, buckets, repeats=repeats,
-                      max_batch_size=settings.max_batch_size,
-                      max_batch_tokens=settings.max_batch_tokens)
-    print(f"{'max_length':>10} {'batch_size':>10} {'stopped':>13}  items/s by batch size")
-    for b in buckets:
-        curve = " ".join(f"{size}:{value:.0f}" for size, value in b.throughput.items())
-        print(f"{b.max_length:>10} {b.batch_size:>10} {b.stopped:>13}  {curve}")
-    print(f"wrote {path}")
-    return 0
-
-
-def exit_after_grace() -> None:
-    log.warning("worker.grace_expired", hint="unanswered entries stay pending for others")
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def install_signal_handlers(worker: Worker) -> None:
-    """First SIGTERM/SIGINT: stop reading, answer what is held, exit 0. Second: exit now;
-    unanswered entries stay pending in the group for another worker to claim."""
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        if worker.stopping.is_set():
-            log.warning("worker.forced_exit", signal=signum)
-            sys.stderr.flush()
-            os._exit(130)
-        log.info("worker.stopping", signal=signal.Signals(signum).name,
-                 grace_s=worker.settings.shutdown_grace_s)
-        worker.stop()
-        # A batch stuck on the device cannot be interrupted: leave its entries pending.
-        watchdog = threading.Timer(worker.settings.shutdown_grace_s + GRACE_MARGIN_S,
-                                   exit_after_grace)
-        watchdog.daemon = True
-        watchdog.start()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-
-
-def serve_metrics(settings: Settings, readiness: Readiness) -> None:
-    try:
-        metrics.serve(settings.metrics_host, settings.metrics_port, readiness)
-    except OSError as exc:
-        raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: {exc}") \
-            from None
-
-
-def freeze_heap() -> None:
-    """Move what start-up made (torch, the model, the libraries: hundreds of thousands of
-    objects that live as long as the process) out of the garbage collector's sight. Serving
-    allocates fast, and every full collection would otherwise walk all of them."""
-    gc.collect()
-    gc.freeze()
-
-
-def serve(settings: Settings) -> int:
-    readiness = Readiness()
-    serve_metrics(settings, readiness)  # first, so /healthz answers while the model loads
-    with redis_url(settings) as url:
-        client = connect(url, settings.block_ms)
-        worker = build_worker(settings, client)
-        freeze_heap()
-        sampler = Sampler(worker, client).start()
-        readiness.worker, readiness.redis = worker, sampler
-        install_signal_handlers(worker)
-        try:
-            worker.run()
-        finally:
-            sampler.stop()
-    return 1 if worker.failed else 0

@@ -67,28 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def dead_letters(settings: Settings, args: argparse.Namespace) -> int:
-    """List dead letters as JSON lines; with --requeue, put them back on the stream."""
-    from producer.protocol import dead_letter_key, stream_key
-    from worker.app import connect, redis_url
-    from worker.streams.dead_letters import list_dead_letters, requeue_dead_letters
-
-    dead_stream = dead_letter_key(settings.namespace, settings.model_name)
-    with redis_url(settings) as url:
-        client = connect(url, settings.block_ms)
-        listed = list_dead_letters(client, dead_stream, args.limit)
-        chosen = [d.id for d in listed] if args.requeue_all else args.requeue
-        if not chosen:
-            for dead in listed:
-                print(json.dumps(dead.summary(), ensure_ascii=False))
-            return 0
-        added = requeue_dead_letters(client, dead_stream,
-                                     stream_key(settings.namespace, settings.model_name), chosen)
-        print(f"requeued {len(added)} of {len(chosen)} to {settings.model_name}",
-              file=sys.stderr)
-        return 0 if len(added) == len(chosen) else 1
-
-
 def add_stats_parser(commands: Any) -> None:
     stats = commands.add_parser("stats", help="queue, consumers and throughput per model")
     add_setting_flags(stats)
@@ -114,24 +92,35 @@ def main(argv: list[str] | None = None) -> int:
         from worker.commands.stats import run_stats
 
         return run_stats(settings, args.models, args.watch, args.json, args.interval)
-    from worker.app import StartupError, run_calibration, serve  # torch: valid settings only
+    from worker.app import StartupError  # torch: valid settings only
 
     try:
-        if args.command == "demo":
-            from worker.commands.demo import run_demo
-
-            return run_demo(settings, args.sentences, args.count)
-        if args.command == "dead-letters":
-            return dead_letters(settings, args)
-        if args.command == "calibrate":
-            return run_calibration(settings, args.repeats)
-        if settings.processes > 1 or settings.devices:
-            from worker.supervisor import supervise
-
-            return supervise(settings)
-        return serve(settings)
+        return run_command(args, settings)
     except (SettingsError, StartupError) as exc:
         return refuse(exc)
+
+
+def run_command(args: argparse.Namespace, settings: Settings) -> int:
+    """Each command in its own module (commands/), imported only when it runs."""
+    if args.command == "demo":
+        from worker.commands.demo import run_demo
+
+        return run_demo(settings, args.sentences, args.count)
+    if args.command == "dead-letters":
+        from worker.commands.dead_letters import run_dead_letters
+
+        return run_dead_letters(settings, args.limit, args.requeue, args.requeue_all)
+    if args.command == "calibrate":
+        from worker.commands.calibrate import run_calibration
+
+        return run_calibration(settings, args.repeats)
+    if settings.processes > 1 or settings.devices:
+        from worker.supervisor import supervise
+
+        return supervise(settings)
+    from worker.commands.run import serve
+
+    return serve(settings)
 
 
 def refuse(exc: Exception) -> int:

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 from worker.app import StartupError, redis_url
 from worker.execution.executor import DEFAULT_TORCH_THREADS
 from worker.observe.endpoints import start_server
-from worker.pipeline.worker import backoff_delays
+from worker.policy.backoff import backoff_delays
 from worker.settings import Settings, threads_per_instance
 
 log = structlog.get_logger("redbatch.supervisor")

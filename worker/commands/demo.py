@@ -22,7 +22,7 @@ from producer.client import Client
 from worker.app import StartupError, redis_url
 from worker.settings import Settings
 
-SAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sentences.txt"
+SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sentences.txt"
 QUERIES = ("How do I read a compressed file?", "Run a function in another thread.")
 
 

@@ -1,10 +1,11 @@
 """Running batches under the governor: memory sampled around each, OOM batches split.
 
-A batch goes through the executor's three steps (stage, launch, finish) as a Job, so the
-worker can stage the next batch while this one computes. A failure in any step is kept in
-the Job and dealt with in finish(): an out-of-memory batch frees cached memory, lowers its
-bucket's ceiling and runs again as two halves, recursively, so no request fails because of
-its batch-mates; only a request that runs out of memory alone is answered `too_large`.
+A batch goes through the executor's three steps (stage, launch, finish) as a RunningBatch,
+so a compute loop can stage the next batch while this one computes. A failure in any step
+is kept in the RunningBatch and dealt with in finish(): an out-of-memory batch frees cached
+memory, lowers its bucket's ceiling and runs again as two halves, recursively, so no request
+fails because of its batch-mates; only a request that runs out of memory alone is answered
+`too_large`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class TooLarge:
 
 
 @dataclass(slots=True)
-class Job:
+class RunningBatch:
     """One batch on its way through stage -> launch -> finish."""
 
     batch: Batch
@@ -77,53 +78,53 @@ class BatchRunner:
 
     # --- the pipelined steps ------------------------------------------------------------------
 
-    def stage(self, batch: Batch) -> Job:
+    def stage(self, batch: Batch) -> RunningBatch:
         """Collate and start copying (runs while the previous batch computes)."""
-        job = Job(batch, [p.item for p in batch.members])
-        if job.items:
+        running = RunningBatch(batch, [p.item for p in batch.members])
+        if running.items:
             try:
-                job.staged = self.executor.stage(job.items, batch.bucket)
+                running.staged = self.executor.stage(running.items, batch.bucket)
             except Exception as exc:
-                job.error = _without_frames(exc)
-        return job
+                running.error = _without_frames(exc)
+        return running
 
-    def launch(self, job: Job) -> None:
-        job.started_ms = time.time() * 1000
-        job.started_clock = time.perf_counter()
-        if job.staged is None:
+    def launch(self, running: RunningBatch) -> None:
+        running.started_ms = time.time() * 1000
+        running.started_clock = time.perf_counter()
+        if running.staged is None:
             return
         self.memory.before_batch()
         try:
-            job.launched = self.executor.launch(job.staged)
+            running.launched = self.executor.launch(running.staged)
         except Exception as exc:
-            job.error = _without_frames(exc)
+            running.error = _without_frames(exc)
 
-    def finish(self, job: Job) -> list[Any]:
+    def finish(self, running: RunningBatch) -> list[Any]:
         """One result per member (a TooLarge for an input too large to run at all).
 
         Raises the model's error when the batch failed for a reason other than memory.
         """
         try:
-            results = self._finish(job)
+            results = self._finish(running)
         finally:
-            job.compute_s = time.perf_counter() - job.started_clock
+            running.compute_s = time.perf_counter() - running.started_clock
         return results
 
-    def _finish(self, job: Job) -> list[Any]:
-        error = job.error
+    def _finish(self, running: RunningBatch) -> list[Any]:
+        error = running.error
         if error is None:
-            assert job.launched is not None, "finish() before launch()"
+            assert running.launched is not None, "finish() before launch()"
             try:
-                results = self.executor.finish(job.launched)
+                results = self.executor.finish(running.launched)
             except Exception as exc:
                 error = _without_frames(exc)
             else:
-                self._observe(job.batch.bucket, job.items)
+                self._observe(running.batch.bucket, running.items)
                 return results
         if not is_out_of_memory(error):
             raise error
-        job.staged = job.launched = job.error = None  # let the failed batch's memory go
-        return self._recover(job.batch.bucket, job.items)
+        running.staged = running.launched = running.error = None  # the failed memory goes
+        return self._recover(running.batch.bucket, running.items)
 
     # --- synchronous runs and OOM recovery ----------------------------------------------------
 

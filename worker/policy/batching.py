@@ -1,7 +1,7 @@
 """Batching policy: length buckets and the decision of which batch goes next.
 
 Pure logic with no Redis and no model, so every rule here is unit-tested directly. The
-worker holds a Batcher under a lock; times are passed in (monotonic seconds, Unix ms).
+worker holds a Batcher under its one lock; times are passed in (monotonic seconds, Unix ms).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from producer.protocol import Request
-from worker.models.base import Prepared
+if TYPE_CHECKING:  # types only: policy imports nothing that does I/O (or torch)
+    from producer.protocol import Request
+    from worker.models.base import Prepared
 
 
 @dataclass(slots=True)

@@ -1,0 +1,39 @@
+"""`python -m worker calibrate`: time each bucket at growing batch sizes, write the best."""
+
+from __future__ import annotations
+
+from worker.app import StartupError, load_model
+from worker.execution.calibration import (
+    CalibrationError,
+    calibrate,
+    calibration_path,
+    write_calibration,
+)
+from worker.execution.executor import Executor
+from worker.execution.memory import memory_probe
+from worker.settings import Settings
+
+
+def run_calibration(settings: Settings, repeats: int) -> int:
+    """`python -m worker calibrate`: measure each bucket, write the file `run` will load."""
+    model, device = load_model(settings)
+    boundaries = settings.bucket_boundaries
+    if boundaries is None:
+        boundaries = list(model.default_bucket_boundaries)
+    try:
+        buckets = calibrate(Executor(model, device),
+                            memory_probe(device, settings.memory_limit_bytes), boundaries,
+                            settings.max_batch_size, settings.max_batch_tokens, repeats,
+                            settings.memory_high_watermark)
+    except CalibrationError as exc:
+        raise StartupError(str(exc)) from None
+    path = calibration_path(settings.calibration_dir, settings.model_name, device)
+    write_calibration(path, settings.model_name, device, buckets, repeats=repeats,
+                      max_batch_size=settings.max_batch_size,
+                      max_batch_tokens=settings.max_batch_tokens)
+    print(f"{'max_length':>10} {'batch_size':>10} {'stopped':>13}  items/s by batch size")
+    for b in buckets:
+        curve = " ".join(f"{size}:{value:.0f}" for size, value in b.throughput.items())
+        print(f"{b.max_length:>10} {b.batch_size:>10} {b.stopped:>13}  {curve}")
+    print(f"wrote {path}")
+    return 0

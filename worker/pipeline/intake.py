@@ -1,0 +1,149 @@
+"""The intake thread: read or claim entries, divert poison, parse, prepare, queue.
+
+It runs in the `redbatch-reader` thread. It never runs the model's forward pass and never
+writes a reply itself: bad entries become answers for the reply thread, good ones become
+Pending requests in the batcher. Its Redis calls are the reads and claims, the dead-letter
+diversion, and the XACK of entries that cannot be answered at all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from producer import protocol
+from producer.protocol import ErrorCode, InvalidEntry, Request
+from worker.models.base import Model
+from worker.observe import metrics
+from worker.pipeline.answers import Answer, AnswerQueue, error_answer
+from worker.pipeline.inflight import InFlight
+from worker.pipeline.retry import RedisRetry
+from worker.policy.batching import Batcher, Pending
+from worker.policy.flow import claims_first, entry_time_ms, is_past_deadline
+from worker.streams.dead_letters import DeadLetters
+from worker.streams.reader import Entry, StreamReader
+from worker.streams.reclaimer import Reclaimer
+from worker.streams.replier import Replier
+
+log = structlog.get_logger("redbatch.worker")
+
+
+@dataclass(slots=True)
+class Admission:
+    """What the intake makes of the entries of one read."""
+
+    good: list[Pending] = field(default_factory=list)
+    bad: list[Answer] = field(default_factory=list)  # answered with an error, no compute
+    unanswerable: list[str] = field(default_factory=list)  # no id to answer: acked only
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeConfig:
+    model_name: str
+    namespace: str
+    max_payload_bytes: int
+    block_ms: int
+
+
+class Intake:
+    def __init__(self, config: IntakeConfig, model: Model, reader: StreamReader,
+                 reclaimer: Reclaimer, dead_letters: DeadLetters, replier: Replier,
+                 batcher: Batcher, inflight: InFlight, answers: AnswerQueue,
+                 retry: RedisRetry) -> None:
+        self.config = config
+        self.model = model
+        self.reader = reader
+        self.reclaimer = reclaimer
+        self.dead_letters = dead_letters
+        self.replier = replier
+        self.batcher = batcher
+        self.inflight = inflight
+        self.answers = answers
+        self.retry = retry
+
+    def run(self, stopping: threading.Event) -> None:
+        """Read until stopping; then tell the compute loops nothing more will come."""
+        try:
+            while not stopping.is_set():
+                room = self.inflight.wait_for_room(self.reader.draining_own_pending, stopping)
+                if room:
+                    self.admit(self.retry(self.next_entries, room))
+        finally:
+            self.inflight.stop_reading()
+
+    def next_entries(self, room: int) -> list[Entry]:
+        """Idle entries of other consumers when a sweep is due, else our own and new ones."""
+        if claims_first(self.reclaimer.due(), self.reader.draining_own_pending):
+            claimed = self.reclaimer.claim(room)
+            if claimed:
+                return claimed
+        return self.reader.read(self.inflight.policy.read_size(room), self.config.block_ms)
+
+    def admit(self, entries: Sequence[Entry]) -> None:
+        """Classify new entries, queue the good ones, answer the bad ones."""
+        entries = self.retry(self.dead_letters.divert, self.inflight.not_held(entries))
+        admission = self.classify(entries, time.monotonic(), int(time.time() * 1000))
+        if admission.unanswerable:
+            self.retry(self.replier.ack, admission.unanswerable)
+        with self.inflight.lock:
+            self.inflight.held.update(p.entry_id for p in admission.good)
+            self.inflight.held.update(a.entry_id for a in admission.bad)
+            for pending in admission.good:
+                self.batcher.add(pending)
+            self.inflight.work.notify_all()
+        if admission.bad:
+            self.answers.put(admission.bad)
+
+    def classify(self, entries: Sequence[Entry], now: float, now_ms: int) -> Admission:
+        admission = Admission()
+        for entry in entries:
+            if entry.fields is None:
+                admission.unanswerable.append(entry.id)
+                metrics.UNANSWERABLE.labels(self.config.model_name, "deleted").inc()
+                continue
+            try:
+                request = protocol.parse_entry(entry.fields, self.config.namespace,
+                                               self.config.max_payload_bytes)
+            except InvalidEntry as exc:
+                self._refuse(entry.id, exc, admission)
+                continue
+            prepared = self.prepare(entry.id, request, now, now_ms)
+            if isinstance(prepared, Pending):
+                admission.good.append(prepared)
+            else:
+                admission.bad.append(prepared)
+        return admission
+
+    def _refuse(self, entry_id: str, exc: InvalidEntry, admission: Admission) -> None:
+        """A malformed entry: answered `invalid_request` when it names whom to answer."""
+        if not exc.answerable:
+            admission.unanswerable.append(entry_id)
+            metrics.UNANSWERABLE.labels(self.config.model_name, "no_id").inc()
+            log.warning("entry.unanswerable", entry_id=entry_id, reason=str(exc))
+            return
+        assert exc.request_id is not None and exc.reply_to is not None
+        admission.bad.append(Answer(entry_id, exc.reply_to, exc.content_type,
+                                    protocol.error_envelope(exc.request_id,
+                                                            ErrorCode.INVALID_REQUEST, str(exc)),
+                                    entry_time_ms(entry_id)))
+
+    def prepare(self, entry_id: str, request: Request, now: float,
+                now_ms: int) -> Pending | Answer:
+        """Decode and tokenise one request, or the error answer that replaces it."""
+        if is_past_deadline(request.deadline_ms, now_ms):
+            return error_answer(entry_id, request, ErrorCode.DEADLINE_EXCEEDED,
+                                "deadline passed before the request was read")
+        try:
+            payload = protocol.decode(request.payload, request.content_type)
+            item = self.model.prepare(payload, len(request.payload))
+        except ValueError as exc:  # undecodable payload or InvalidInput
+            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc))
+        except Exception as exc:
+            log.exception("model.prepare_failed", request_id=request.id)
+            return error_answer(entry_id, request, ErrorCode.MODEL_ERROR,
+                                f"preprocessing failed: {type(exc).__name__}: {exc}")
+        return Pending(entry_id, request, item, now)
