@@ -134,6 +134,7 @@ class Benchmark:
             "redbatch": (1, corpus),
             "fifo": (1, {**corpus, "bucket_boundaries": []}),
             "batch1": (1, {**corpus, "max_batch_size": 1}),
+            "defaults": (1, dict(self.model_settings)),  # what a user gets: instances auto
             "overhead": (1, echo),
             **{f"scale{n}": (n, delay) for n in self.plan.scaling_processes},
         }
@@ -151,8 +152,9 @@ class Benchmark:
 
     def saturation(self, pools: dict[str, Workers], batch_size: int,
                    layout: Layout) -> dict[str, Any]:
-        """Offline vs redbatch (buckets), FIFO (no buckets) and batch size 1, interleaved."""
-        names = ("redbatch", "fifo", "batch1")
+        """Offline vs redbatch (buckets), FIFO (no buckets), batch size 1 and the default
+        settings, interleaved."""
+        names = ("redbatch", "fifo", "batch1", "defaults")
         offline: list[float] = []
         runs: dict[str, list[Drained]] = {name: [] for name in names}
         before = {name: pools[name].metrics() for name in names}
@@ -182,6 +184,8 @@ class Benchmark:
         for name in ("fifo", "batch1"):
             section[name]["bucketing_speedup"] = median(
                 [b.rate / o.rate for b, o in zip(runs["redbatch"], runs[name], strict=True)])
+        section["defaults"]["ratio_to_best_layout"] = median(
+            [d.rate / b.rate for d, b in zip(runs["defaults"], runs["redbatch"], strict=True)])
         return section
 
     @staticmethod

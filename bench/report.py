@@ -27,6 +27,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ("echo requests/s, one worker process", overhead["worker_median"], ">=", 20_000),
         ("echo worker / Redis's own rate, same commands", overhead["ratio"], ">=", 0.5),
     ]
+    if "defaults" in saturation:  # runs before this one measured no default pool
+        checks.append(("default settings (instances auto) / the best layout measured",
+                       saturation["defaults"]["ratio_to_best_layout"], ">=", 0.9))
     half = [level for level in results["latency"]["levels"] if level["load"] == 0.5]
     if half:
         wait = results["latency"]["settings"]["max_wait_ms"]
@@ -173,7 +176,8 @@ def markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
     ]
     for name, label in (("redbatch", "(2) redbatch, length buckets"),
                         ("fifo", "(3) FIFO batching (`bucket_boundaries = []`)"),
-                        ("batch1", "(3) batch size 1")):
+                        ("batch1", "(3) batch size 1"),
+                        ("defaults", "(2) redbatch, default settings")):
         row = saturation[name]
         settings = {k: v for k, v in row["settings"].items() if k not in ("model_options",)}
         lines.append(f"| {label} | {settings} | {row['median']:.1f} | "

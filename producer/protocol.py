@@ -49,6 +49,11 @@ def answered_key(namespace: str, model: str) -> str:
     return f"{namespace}:answered:{model}"
 
 
+def workers_key(namespace: str, model: str) -> str:
+    """A hash of the model's workers: consumer name -> JSON of its layout and device."""
+    return f"{namespace}:workers:{model}"
+
+
 # --- payload and envelope codecs -------------------------------------------------------------
 
 

@@ -164,3 +164,9 @@ class CostModel(EchoModel):
         padded_tokens, data = batch
         time.sleep(self.fixed_s + self.per_token_s * padded_tokens)
         return data
+
+
+class SerialEcho(EchoModel):
+    """An echo that does not declare concurrent_forward: `instances = "auto"` runs one."""
+
+    concurrent_forward = False

@@ -24,12 +24,13 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     for section in ("corpus", "saturation", "latency", "overhead", "scaling", "targets"):
         assert section in results
     saturation = results["saturation"]
-    for config in ("offline", "redbatch", "fifo", "batch1"):
+    for config in ("offline", "redbatch", "fifo", "batch1", "defaults"):
         assert saturation[config]["median"] > 0
     assert sum(saturation["redbatch"]["batch_size_histogram"].values()) > 0
     assert results["overhead"]["worker_median"] > 0 and results["overhead"]["ratio"] > 0
     assert set(results["scaling"]["processes"]) == {"1", "2"}
-    assert len(results["targets"]) == 6  # no 4-process scaling in the smoke run
+    assert saturation["defaults"]["ratio_to_best_layout"] > 0
+    assert len(results["targets"]) == 7  # no 4-process scaling in the smoke run
     markdown = report.with_suffix(".md").read_text()
     assert "## Targets" in markdown
     plots = sorted(p.name for p in tmp_path.glob("*.png"))

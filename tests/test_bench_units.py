@@ -56,6 +56,18 @@ def test_targets_compare_each_figure_with_its_bar() -> None:
     assert [t["met"] for t in targets(results)] == [True, False, True, False, True, True, False]
 
 
+def test_the_default_layout_is_held_to_the_best_one() -> None:
+    results = {
+        "saturation": {"redbatch": {"ratio_to_offline": 0.95}, "fifo": {"bucketing_speedup": 2},
+                       "defaults": {"ratio_to_best_layout": 0.85}},
+        "overhead": {"worker_median": 25_000, "ratio": 0.6},
+        "latency": {"settings": {"max_wait_ms": 5.0}, "levels": []},
+        "scaling": {"processes": {}},
+    }
+    [default] = [t for t in targets(results) if "default settings" in t["target"]]
+    assert default["met"] is False and default["bar"] == 0.9
+
+
 def test_offline_layouts_cover_one_instance_and_one_per_core() -> None:
     assert layouts(1) == [Layout(1, 1)]
     assert layouts(2) == [Layout(1, 1), Layout(1, 2), Layout(2, 1)]

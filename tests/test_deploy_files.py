@@ -1,19 +1,31 @@
 """compose.yaml, the Dockerfile, the Kubernetes manifests and the monitoring configs stay true
 to the code: every module, file, port, setting and metric they name exists. (No Docker engine
-or cluster here, so they are parsed, not run.)"""
+or cluster here, so they are parsed, not run.)
+
+They are also held to their real schemas, offline: the Kubernetes objects to the official
+OpenAPI-derived JSON schemas that `kubernetes-validate` ships (strict: unknown fields fail), the
+compose files to the Compose Specification's JSON schema that `check-jsonschema` vendors. KEDA's
+ScaledObject (a CRD) and the Kustomization (a kustomize file, not an API object) are in neither:
+they are checked field by field against the fields KEDA and kustomize define."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import json
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
+from check_jsonschema.builtin_schemas import get_builtin_schema
+from kubernetes_validate.utils import all_versions, major_minor
 from prometheus_client import REGISTRY
 
 import worker.observe.metrics  # noqa: F401  (registers the metrics)
@@ -146,6 +158,155 @@ def test_gpu_variant_reserves_nvidia_devices() -> None:
     assert worker["environment"]["REDBATCH_DEVICE"].startswith("cuda")
 
 
+# --- compose: the Compose Specification's schema, profiles, scaling ----------------------------
+
+
+@functools.cache
+def compose_validator() -> jsonschema.protocols.Validator:
+    """The Compose Specification's JSON schema (compose-spec/compose-spec, as vendored by
+    check-jsonschema for its check-compose-spec hook: no network)."""
+    schema = get_builtin_schema("vendor.compose-spec")
+    assert schema.get("title") == "Compose Specification", schema.get("title")
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def schema_errors(validator: jsonschema.protocols.Validator, instance: Any) -> list[str]:
+    """Every violation, as `path.to.field: message`."""
+    return sorted(f"{'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
+                  for e in validator.iter_errors(instance))
+
+
+def compose_merge(base: Any, override: Any, where: str = "") -> Any:
+    """`docker compose -f base -f override`, as far as our files need it: mappings merge key by
+    key and the override's scalars win; `build: DIR` is short for `build: {context: DIR}`.
+    Compose merges some sequences item by item (ports, volumes...): none may overlap here."""
+    if where.endswith(".build"):
+        base, override = ({"context": b} if isinstance(b, str) else b for b in (base, override))
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            merged[key] = (compose_merge(base[key], value, f"{where}.{key}")
+                           if key in base else value)
+        return merged
+    assert not (isinstance(base, list) and isinstance(override, list)), (
+        f"{where.lstrip('.')}: both files set this sequence; model compose's merge rule here")
+    return override
+
+
+@pytest.fixture(scope="module")
+def compose_gpu(compose: dict[str, Any]) -> dict[str, Any]:
+    """compose.yaml with compose.gpu.yaml applied over it."""
+    return compose_merge(compose, load_yaml("compose.gpu.yaml"))
+
+
+def active_services(compose: dict[str, Any], profiles: set[str]) -> set[str]:
+    """The services `docker compose [--profile P ...] up` starts: those without profiles, and
+    those with one of the profiles enabled."""
+    return {name for name, service in compose["services"].items()
+            if not service.get("profiles") or profiles & set(service["profiles"])}
+
+
+def depends_on(service: dict[str, Any]) -> dict[str, str]:
+    """{service: condition}, from the list form or the long form."""
+    found = service.get("depends_on", {})
+    if isinstance(found, list):
+        return dict.fromkeys(found, "service_started")
+    return {name: spec.get("condition", "service_started") for name, spec in found.items()}
+
+
+@pytest.mark.parametrize("path", ["compose.yaml", "compose.gpu.yaml"])
+def test_compose_file_matches_the_compose_spec(path: str) -> None:
+    errors = schema_errors(compose_validator(), load_yaml(path))
+    assert not errors, f"{path} against the Compose Specification:\n" + "\n".join(errors)
+
+
+def test_compose_gpu_override_resolves(compose_gpu: dict[str, Any],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-f compose.yaml -f compose.gpu.yaml` is a valid project whose worker builds the CUDA
+    image, keeps the base settings and still scales."""
+    errors = schema_errors(compose_validator(), compose_gpu)
+    assert not errors, "compose.yaml + compose.gpu.yaml:\n" + "\n".join(errors)
+    worker = compose_gpu["services"]["worker"]
+    assert (ROOT / worker["build"]["context"] / "Dockerfile").is_file()
+    assert set(worker["build"]["args"]) <= dockerfile_args()
+    env = env_of(worker["environment"])
+    assert env["REDBATCH_REDIS_URL"].startswith("redis://redis:")
+    assert env["REDBATCH_DEVICE"].startswith("cuda")
+    assert_settings_env(env, monkeypatch)
+    assert worker["image"] != compose_gpu["services"]["producer"]["image"], (
+        "the CUDA image must not overwrite the CPU one the producer runs")
+    assert_scalable(worker)
+    device = worker["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device.get("count") != "all" or worker["deploy"]["replicas"] == 1, (
+        "each replica would reserve every GPU of the host")
+
+
+def assert_scalable(worker: dict[str, Any]) -> None:
+    """`--scale worker=N` and `deploy.replicas` work: nothing pins the service to one
+    container, and the two ways of setting the count agree."""
+    replicas = worker["deploy"]["replicas"]
+    assert isinstance(replicas, int) and replicas >= 1, replicas
+    assert worker.get("scale", replicas) == replicas, "scale and deploy.replicas disagree"
+    for blocker in ("container_name", "ports"):
+        assert blocker not in worker, f"{blocker} blocks --scale worker=N"
+
+
+def test_worker_scales(compose: dict[str, Any]) -> None:
+    assert_scalable(compose["services"]["worker"])
+    assert "--scale worker=" in (ROOT / "compose.yaml").read_text()
+
+
+def test_every_service_has_its_profiles(compose: dict[str, Any]) -> None:
+    """The default project is Redis, the worker and the demo producer; `--profile monitoring`
+    adds Prometheus and Grafana; no other profile exists, and the one there is is documented."""
+    profiles = {name: service.get("profiles", []) for name, service in compose["services"].items()}
+    assert profiles == {"redis": [], "worker": [], "producer": [],
+                        "prometheus": ["monitoring"], "grafana": ["monitoring"]}
+    header = (ROOT / "compose.yaml").read_text()
+    for profile in {p for names in profiles.values() for p in names}:
+        assert f"--profile {profile} up" in header, f"profile {profile} is not documented"
+
+
+@pytest.mark.parametrize("profiles", [set(), {"monitoring"}], ids=["default", "monitoring"])
+def test_profiles_resolve(compose: dict[str, Any], profiles: set[str]) -> None:
+    """Every dependency of a started service is started too, and a `service_healthy` one has a
+    healthcheck to become healthy by."""
+    active = active_services(compose, profiles)
+    expected = {"redis", "worker", "producer"} | ({"prometheus", "grafana"} if profiles else set())
+    assert active == expected
+    services = compose["services"]
+    for name in sorted(active):
+        for dependency, condition in depends_on(services[name]).items():
+            assert dependency in active, f"{name} depends on {dependency}, not started"
+            assert condition in ("service_started", "service_healthy",
+                                 "service_completed_successfully"), condition
+            if condition == "service_healthy":
+                check = services[dependency].get("healthcheck", {})
+                assert check.get("test") and not check.get("disable"), (
+                    f"{name} waits for {dependency} to be healthy: it has no healthcheck")
+
+
+@pytest.mark.parametrize("path, breakage, field", [
+    ("compose.yaml", ("services", "worker", "deploy", "replica", 2), "replica"),
+    ("compose.yaml", ("services", "worker", "healthcheck", "intervall", "10s"), "intervall"),
+    ("compose.yaml", ("services", "redis", "restart", ["always"]), "restart"),
+    ("compose.gpu.yaml", ("services", "worker", "deploy", "resources", "reservation", {}),
+     "reservation"),
+], ids=["misspelled-replicas", "misspelled-interval", "wrong-type", "gpu-misspelled"])
+def test_compose_validator_rejects_broken_files(path: str, breakage: tuple[Any, ...],
+                                                field: str) -> None:
+    broken = load_yaml(path)
+    *parents, key, value = breakage
+    node = broken
+    for parent in parents:
+        node = node[parent]
+    node[key] = value
+    errors = schema_errors(compose_validator(), broken)
+    assert any(field in error for error in errors), errors
+
+
 # --- Dockerfile -------------------------------------------------------------------------------
 
 
@@ -238,6 +399,380 @@ def test_keda_scales_on_lag_with_pending_as_fallback() -> None:
     assert signals == [{"lagCount"}, {"pendingEntriesCount"}]
     pending_target = int(triggers[1]["metadata"]["pendingEntriesCount"])
     assert pending_target < int(env["REDBATCH_MAX_INFLIGHT"])
+
+
+# --- Kubernetes: the official schemas; KEDA's and kustomize's fields --------------------------
+
+
+def kubernetes_versions() -> list[str]:
+    """The three newest Kubernetes minor versions kubernetes-validate ships schemas for
+    (upstream supports the three newest releases)."""
+    return list(dict.fromkeys(major_minor(v) for v in all_versions()))[-3:]  # sorted there
+
+
+KUSTOMIZATION = ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+
+
+def manifest_documents() -> list[tuple[str, dict[str, Any]]]:
+    """(file, document) for kustomization.yaml and every resource it lists."""
+    kustomization = load_yaml("deploy/k8s/kustomization.yaml")
+    found = [("kustomization.yaml", kustomization)]
+    for resource in kustomization["resources"]:
+        found += [(resource, document) for document in load_yaml_all(f"deploy/k8s/{resource}")]
+    return found
+
+
+def kubernetes_errors(document: dict[str, Any], version: str) -> list[str]:
+    """Strict validation (unknown fields fail) against Kubernetes' schema for its apiVersion
+    and kind; [] when it passes."""
+    try:
+        kubernetes_validate.validate(document, version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        path = ".".join(map(str, error.path)) or "(top)"
+        return [f"{document['kind']} against Kubernetes {error.version}: {path}: {error.message}"]
+    return []
+
+
+@pytest.mark.parametrize("version", kubernetes_versions())
+def test_manifests_match_kubernetes_schemas(version: str) -> None:
+    checked = set()
+    for path, document in manifest_documents():
+        kind = (document["apiVersion"], document["kind"])
+        if kind in (KUSTOMIZATION, SCALED_OBJECT):  # checked field by field below
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(document, version, strict=True)
+            continue
+        errors = kubernetes_errors(document, version)
+        assert not errors, f"deploy/k8s/{path}: {errors[0]}"
+        checked.add(document["kind"])
+    assert "Deployment" in checked
+
+
+def test_kubernetes_validator_rejects_broken_manifests() -> None:
+    version = kubernetes_versions()[-1]
+    deployment = manifests()["Deployment"]
+    assert kubernetes_errors(deployment, version) == []
+
+    misspelled = copy.deepcopy(deployment)
+    container = misspelled["spec"]["template"]["spec"]["containers"][0]
+    container["livenessProbes"] = container.pop("livenessProbe")
+    [error] = kubernetes_errors(misspelled, version)
+    assert "spec.template.spec.containers.0" in error and "'livenessProbes'" in error, error
+
+    wrong_type = copy.deepcopy(deployment)
+    wrong_type["spec"]["replicas"] = "one"
+    [error] = kubernetes_errors(wrong_type, version)
+    assert "spec.replicas" in error, error
+
+    missing = copy.deepcopy(deployment)
+    del missing["spec"]["template"]["spec"]["containers"][0]["name"]
+    [error] = kubernetes_errors(missing, version)
+    assert "'name' is a required property" in error, error
+
+
+# Field lists for what the Kubernetes schemas do not cover. A spec maps each field to its
+# check: a type, a nested spec (a mapping), [spec] (a list of such mappings) or a function
+# returning an error or None; a name ending in "!" is required.
+Spec = dict[str, Any]
+
+
+def check_fields(value: Any, spec: Spec, where: str) -> list[str]:
+    """Every unknown, missing or ill-typed field, each message naming its field path."""
+    if not isinstance(value, dict):
+        return [f"{where}: must be a mapping, not {type(value).__name__}"]
+    known = {name.rstrip("!"): check for name, check in spec.items()}
+    errors = [f"{where}.{name}: unknown field (known: {', '.join(sorted(known))})"
+              for name in value if name not in known]
+    errors += [f"{where}.{name[:-1]}: required field missing"
+               for name in spec if name.endswith("!") and name[:-1] not in value]
+    for name, check in known.items():
+        if name in value:
+            errors += check_value(value[name], check, f"{where}.{name}")
+    return errors
+
+
+def check_value(value: Any, check: Any, where: str) -> list[str]:
+    if isinstance(check, dict):
+        return check_fields(value, check, where)
+    if isinstance(check, list):
+        if not isinstance(value, list) or not value:
+            return [f"{where}: must be a non-empty list"]
+        return [e for i, item in enumerate(value) for e in check_value(item, check[0],
+                                                                      f"{where}[{i}]")]
+    if isinstance(check, type):
+        ok = isinstance(value, check) and not (check is int and isinstance(value, bool))
+        return [] if ok else [f"{where}: must be {check.__name__}, not {value!r}"]
+    problem = check(value)
+    return [f"{where}: {problem}"] if problem else []
+
+
+def at_least(minimum: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            return f"must be an integer >= {minimum}, not {value!r}"
+        return None
+    return check
+
+
+def one_of(*choices: str) -> Callable[[Any], str | None]:
+    return lambda value: None if value in choices else f"must be one of {choices}, not {value!r}"
+
+
+# kustomize's Kustomization (api/types/kustomization.go), which kustomize decodes with unknown
+# fields refused.
+KUSTOMIZATION_SPEC: Spec = {
+    "apiVersion!": one_of(KUSTOMIZATION[0]), "kind!": one_of(KUSTOMIZATION[1]),
+    "metadata": dict, "openapi": dict, "namePrefix": str, "nameSuffix": str, "namespace": str,
+    "commonLabels": dict, "labels": list, "commonAnnotations": dict,
+    "patchesStrategicMerge": list, "patchesJson6902": list, "patches": list, "images": list,
+    "imageTags": list, "replacements": list, "replicas": list, "vars": list,
+    "sortOptions": dict, "resources": [str], "components": list, "crds": list, "bases": list,
+    "configMapGenerator": list, "secretGenerator": list, "helmGlobals": dict,
+    "helmCharts": list, "helmChartInflationGenerator": list, "generatorOptions": dict,
+    "configurations": list, "generators": list, "transformers": list, "validators": list,
+    "inventory": dict, "buildMetadata": list,
+}
+
+
+def kustomization_errors(kustomization: dict[str, Any]) -> list[str]:
+    errors = check_fields(kustomization, KUSTOMIZATION_SPEC, "kustomization")
+    resources = kustomization.get("resources", [])
+    errors += [f"kustomization.resources: {r} does not exist"
+               for r in resources if not (ROOT / "deploy/k8s" / r).is_file()]
+    errors += [f"kustomization.resources: {r} is listed twice"
+               for r in set(resources) if resources.count(r) > 1]
+    return errors
+
+
+def test_kustomization_fields() -> None:
+    kustomization = load_yaml("deploy/k8s/kustomization.yaml")
+    errors = kustomization_errors(kustomization)
+    assert not errors, "\n".join(errors)
+    on_disk = {p.name for p in (ROOT / "deploy/k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == on_disk, "a manifest kubectl apply -k leaves out"
+
+
+# KEDA's ScaledObject (keda.sh/v1alpha1), as documented in "Scaling Deployments" and defined
+# in apis/keda/v1alpha1/scaledobject_types.go and scaletriggers_types.go.
+SCALED_OBJECT_SPEC: Spec = {
+    "apiVersion!": one_of(SCALED_OBJECT[0]), "kind!": one_of(SCALED_OBJECT[1]),
+    # Kubernetes' ObjectMeta: checked against its schema (keda_hpa)
+    "metadata!": lambda meta: None if isinstance(meta, dict) and meta.get("name") else
+    "must be a mapping with a name",
+    "spec!": {
+        "scaleTargetRef!": {"name!": str, "apiVersion": str, "kind": str,
+                            "envSourceContainerName": str},
+        "pollingInterval": at_least(1),
+        "initialCooldownPeriod": at_least(0),
+        "cooldownPeriod": at_least(0),
+        "idleReplicaCount": at_least(0),
+        "minReplicaCount": at_least(0),
+        "maxReplicaCount": at_least(1),
+        "fallback": {"failureThreshold!": at_least(0), "replicas!": at_least(0),
+                     "behavior": one_of("static", "currentReplicas", "currentReplicasIfHigher",
+                                        "currentReplicasIfLower", "scalingModifiers")},
+        "advanced": {
+            "restoreToOriginalReplicaCount": bool,
+            "horizontalPodAutoscalerConfig": {"name": str, "behavior": dict},
+            "scalingModifiers": {"formula": str, "target": str, "activationTarget": str,
+                                 "metricType": one_of("AverageValue", "Value")},
+        },
+        "triggers!": [{
+            "type!": str, "name": str, "useCachedMetrics": bool,
+            "metadata!": dict,  # per trigger type: TRIGGER_METADATA
+            "authenticationRef": {"name!": str, "kind": one_of("TriggerAuthentication",
+                                                               "ClusterTriggerAuthentication")},
+            "metricType": one_of("AverageValue", "Value", "Utilization"),
+        }],
+    },
+}
+
+
+def metadata_string(value: Any) -> str | None:
+    """Trigger metadata is a map of strings: the API server refuses an unquoted 5 or true."""
+    return None if isinstance(value, str) else f"must be a quoted string, not {value!r}"
+
+
+def metadata_int(value: Any) -> str | None:
+    return metadata_string(value) or (
+        None if re.fullmatch(r"-?\d+", value) else f"must hold an integer, not {value!r}")
+
+
+def metadata_bool(value: Any) -> str | None:  # Go's strconv.ParseBool
+    return metadata_string(value) or (
+        None if value in ("1", "t", "T", "TRUE", "true", "True", "0", "f", "F", "FALSE",
+                          "false", "False") else f"must hold a boolean, not {value!r}")
+
+
+# KEDA's redis-streams scaler (docs: scalers/redis-streams; pkg/scalers/redis_streams_scaler.go
+# and the connection fields of redis_scaler.go). KEDA ignores keys it does not know, so a
+# misspelt one would silently fall back to a default: here it fails.
+REDIS_STREAMS_METADATA: Spec = {
+    # where Redis is: address (host:port), or host and port; each value may instead be read
+    # from an environment variable of the scale target's container (...FromEnv)
+    "address": metadata_string, "addressFromEnv": metadata_string,
+    "host": metadata_string, "hostFromEnv": metadata_string,
+    "port": metadata_int, "portFromEnv": metadata_string,
+    "username": metadata_string, "usernameFromEnv": metadata_string,
+    "password": metadata_string, "passwordFromEnv": metadata_string,
+    "databaseIndex": metadata_int, "enableTLS": metadata_bool, "unsafeSsl": metadata_bool,
+    # what to scale on
+    "stream!": metadata_string,
+    "consumerGroup": metadata_string,
+    "pendingEntriesCount": metadata_int,  # consumerGroup, no lagCount: XPENDING count
+    "lagCount": metadata_int,  # consumerGroup: the group's lag (Redis 7+)
+    "streamLength": metadata_int,  # no consumerGroup: XLEN
+    "activationLagCount": metadata_int,  # active (0 -> 1 replica) above this count
+}
+TRIGGER_METADATA: dict[str, Spec] = {"redis-streams": REDIS_STREAMS_METADATA}
+
+
+def redis_streams_errors(meta: dict[str, str], where: str) -> list[str]:
+    """What KEDA would refuse, or silently ignore, in a redis-streams trigger's metadata."""
+    errors = []
+    has = {name for name in meta if not name.endswith("FromEnv")}
+    has |= {name.removesuffix("FromEnv") for name in meta if name.endswith("FromEnv")}
+    if "address" in has and has & {"host", "port"}:
+        errors.append(f"{where}: address and host/port both set: set one")
+    elif "address" not in has and not {"host", "port"} <= has:
+        errors.append(f"{where}: no Redis to read: set address, or host and port (or ...FromEnv)")
+    if "consumerGroup" in meta:
+        if "streamLength" in meta:
+            errors.append(f"{where}.streamLength: ignored when consumerGroup is set")
+        if "lagCount" in meta and "pendingEntriesCount" in meta:
+            errors.append(f"{where}.pendingEntriesCount: ignored when lagCount is set")
+        if meta.get("lagCount") == "0":
+            errors.append(f"{where}.lagCount: 0 means pendingEntriesCount is used instead")
+    else:
+        errors += [f"{where}.{name}: needs consumerGroup (without it KEDA scales on XLEN)"
+                   for name in ("pendingEntriesCount", "lagCount") if name in meta]
+    return errors
+
+
+def scaled_object_errors(scaled: dict[str, Any], container_env: set[str]) -> list[str]:
+    """Every wrong, missing or misspelt field of a ScaledObject, each message naming it.
+    container_env: the environment variables of the scale target's container, which KEDA
+    reads ...FromEnv values from."""
+    errors = check_fields(scaled, SCALED_OBJECT_SPEC, "ScaledObject")
+    spec = scaled.get("spec")
+    if not isinstance(spec, dict):
+        return errors
+    minimum, maximum = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
+    if isinstance(minimum, int) and isinstance(maximum, int) and minimum > maximum:
+        errors.append("ScaledObject.spec: minReplicaCount > maxReplicaCount")
+    idle = spec.get("idleReplicaCount")
+    if isinstance(idle, int) and isinstance(minimum, int) and idle >= minimum:
+        errors.append("ScaledObject.spec.idleReplicaCount: must be below minReplicaCount")
+    triggers = spec.get("triggers") if isinstance(spec.get("triggers"), list) else []
+    for i, trigger in enumerate(t for t in triggers if isinstance(t, dict)):
+        where = f"ScaledObject.spec.triggers[{i}]"
+        if "fallback" in spec and trigger.get("metricType") == "Value":
+            errors.append(f"{where}.metricType: fallback works only with AverageValue")
+        meta_spec = TRIGGER_METADATA.get(trigger.get("type", ""))
+        if meta_spec is None:
+            errors.append(f"{where}.type: no field list for {trigger.get('type')!r} here: add "
+                          "the fields KEDA documents for it to TRIGGER_METADATA")
+            continue
+        meta = trigger.get("metadata", {})
+        found = check_fields(meta, meta_spec, f"{where}.metadata")
+        errors += found
+        if found or not isinstance(meta, dict):
+            continue
+        errors += redis_streams_errors(meta, f"{where}.metadata")
+        errors += [f"{where}.metadata.{name}: {variable} is not set in the scale target's "
+                   "container" for name, variable in meta.items()
+                   if name.endswith("FromEnv") and variable not in container_env]
+    return errors
+
+
+def keda_hpa(scaled: dict[str, Any]) -> dict[str, Any]:
+    """The HorizontalPodAutoscaler KEDA makes of a ScaledObject (one External metric per
+    trigger), under the ScaledObject's own metadata: validated against Kubernetes' schema, it
+    checks the ObjectMeta, the scale target and the replica bounds."""
+    spec = scaled["spec"]
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", **spec["scaleTargetRef"]}
+    target.pop("envSourceContainerName", None)
+    metrics = []
+    for i, trigger in enumerate(spec["triggers"]):
+        meta = trigger["metadata"]
+        value = next((meta[k] for k in ("lagCount", "pendingEntriesCount", "streamLength")
+                      if k in meta), "5")
+        kind = trigger.get("metricType", "AverageValue")
+        metrics.append({"type": "External", "external": {
+            "metric": {"name": f"s{i}-{trigger['type']}"},
+            "target": {"type": kind, ("averageValue" if kind == "AverageValue" else "value"):
+                       value}}})
+    hpa_spec = {"scaleTargetRef": target, "minReplicas": max(spec.get("minReplicaCount", 1), 1),
+                "maxReplicas": spec.get("maxReplicaCount", 100), "metrics": metrics}
+    behavior = spec.get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior")
+    if behavior is not None:
+        hpa_spec["behavior"] = behavior
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": scaled["metadata"], "spec": hpa_spec}
+
+
+def scale_target_env() -> set[str]:
+    found = manifests()
+    containers = found["Deployment"]["spec"]["template"]["spec"]["containers"]
+    name = found["ScaledObject"]["spec"]["scaleTargetRef"].get("envSourceContainerName")
+    container = next(c for c in containers if c["name"] == name) if name else containers[0]
+    return set(env_of(container["env"]))
+
+
+def test_scaled_object_fields() -> None:
+    scaled = manifests()["ScaledObject"]
+    errors = scaled_object_errors(scaled, scale_target_env())
+    assert not errors, "deploy/k8s/worker-scaledobject.yaml:\n" + "\n".join(errors)
+    for version in kubernetes_versions():
+        errors = kubernetes_errors(keda_hpa(scaled), version)
+        assert not errors, f"the HPA KEDA makes of the ScaledObject: {errors[0]}"
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda s: s["spec"].update(pollingIntervall=s["spec"].pop("pollingInterval")),
+     "ScaledObject.spec.pollingIntervall: unknown field"),
+    (lambda s: s["spec"].pop("scaleTargetRef"),
+     "ScaledObject.spec.scaleTargetRef: required field missing"),
+    (lambda s: s["spec"]["fallback"].update(replica=s["spec"]["fallback"].pop("replicas")),
+     "ScaledObject.spec.fallback.replica: unknown field"),
+    (lambda s: s["spec"].update(maxReplicaCount="20"),
+     "ScaledObject.spec.maxReplicaCount: must be an integer >= 1"),
+    (lambda s: s["spec"]["triggers"][1]["metadata"].update(
+        pendingEntriesCont=s["spec"]["triggers"][1]["metadata"].pop("pendingEntriesCount")),
+     "ScaledObject.spec.triggers[1].metadata.pendingEntriesCont: unknown field"),
+    (lambda s: s["spec"]["triggers"][0]["metadata"].update(lagCount=512),
+     "ScaledObject.spec.triggers[0].metadata.lagCount: must be a quoted string"),
+    (lambda s: s["spec"]["triggers"][0]["metadata"].pop("stream"),
+     "ScaledObject.spec.triggers[0].metadata.stream: required field missing"),
+    (lambda s: s["spec"]["triggers"][0]["metadata"].pop("consumerGroup"),
+     "ScaledObject.spec.triggers[0].metadata.lagCount: needs consumerGroup"),
+    (lambda s: s["spec"]["triggers"][0]["metadata"].update(addressFromEnv="REDIS_ADDR"),
+     "ScaledObject.spec.triggers[0].metadata.addressFromEnv: REDIS_ADDR is not set"),
+    (lambda s: s["spec"]["triggers"][0].update(type="redis-stream"),
+     "ScaledObject.spec.triggers[0].type: no field list for 'redis-stream'"),
+    (lambda s: s.update(apiVersion="keda.sh/v1"),
+     "ScaledObject.apiVersion: must be one of ('keda.sh/v1alpha1',)"),
+    (lambda s: s["metadata"].pop("name"), "ScaledObject.metadata: must be a mapping with a name"),
+], ids=["spec-typo", "spec-missing", "fallback-typo", "spec-type", "metadata-typo",
+        "metadata-unquoted", "metadata-missing", "metadata-ignored", "metadata-env",
+        "trigger-type", "api-version", "no-name"])
+def test_scaled_object_checker_rejects_broken_manifests(breakage: Callable[[Any], Any],
+                                                        message: str) -> None:
+    broken = copy.deepcopy(manifests()["ScaledObject"])
+    breakage(broken)
+    errors = scaled_object_errors(broken, scale_target_env())
+    assert any(error.startswith(message) for error in errors), errors
+
+
+def test_kustomization_checker_rejects_broken_files() -> None:
+    kustomization = load_yaml("deploy/k8s/kustomization.yaml")
+    misspelt = {**kustomization, "resource": kustomization["resources"]}
+    del misspelt["resources"]
+    assert "kustomization.resource: unknown field" in kustomization_errors(misspelt)[0]
+    missing = {**kustomization, "resources": [*kustomization["resources"], "worker-hpa.yaml"]}
+    assert kustomization_errors(missing) == [
+        "kustomization.resources: worker-hpa.yaml does not exist"]
 
 
 # --- Grafana ----------------------------------------------------------------------------------

@@ -211,12 +211,14 @@ def test_stats_json_and_table(redis_url: str, r: redis.Redis, worker_factory: An
     echo, waiting = by_model["echo"], by_model["waiting"]
     assert (echo["answered"], echo["backlog"], echo["dead_letters"]) == (1, 0, 1)
     assert [c["name"] for c in echo["consumers"]] == [consumer]
+    assert echo["consumers"][0]["layout"] == worker.layout.describe()  # announced at start
     assert echo["throughput_per_s"] == 0 and echo["drain_seconds"] == 0
     assert (waiting["length"], waiting["backlog"], waiting["drain_seconds"]) == (4, 4, None)
 
     assert main(["stats", "--redis-url", redis_url, "--interval", "0.05"]) == 0
     table = capsys.readouterr().out
     assert "waiting" in table and "echo" in table and "consumers" in table
+    assert "instance(s)" in table
 
 
 @pytest.mark.usefixtures("keep_logging")

@@ -11,7 +11,7 @@ def test_the_next_batch_is_staged_while_the_current_one_runs(redis_url: str,
     client = Client(redis_url, "recordingmodel")
     ids = client.submit_many({"i": i} for i in range(12))  # three full batches, queued
     with worker_factory(model="tests.plugin_models:RecordingModel", bucket_boundaries=[64],
-                        max_batch_size=4, max_wait_ms=1000) as worker:
+                        max_batch_size=4, max_wait_ms=1000, instances=1) as worker:
         envelopes = [client.wait(request_id, timeout=10) for request_id in ids]
     assert [e["result"] for e in envelopes] == [{"i": i} for i in range(12)]
     model = worker.model

@@ -31,6 +31,7 @@ CASES = {
                                "invalid setting 'max_batch_size' (env REDBATCH_MAX_BATCH_SIZE)"),
     "invalid environment value": Case([], "invalid setting 'max_wait_ms'",
                                       {"REDBATCH_MAX_WAIT_MS": "soon"}),
+    "invalid instances": Case(["--instances", "many"], "invalid setting 'instances'"),
     "malformed JSON flag": Case(["--bucket-boundaries", "[16,"], "--bucket-boundaries takes JSON"),
     "missing config file": Case(["--config", "{tmp}/absent.toml"], "config file not found"),
     "broken config file": Case(["--config", "{tmp}/broken.toml"], "could not read settings"),

@@ -1,5 +1,6 @@
 """`torch_threads` caps torch's intra-op threads; by default the cores are shared out among
-the model instances and worker processes, so that none oversubscribe."""
+the model instances and worker processes, so that none oversubscribe. `instances = "auto"`
+(the default) runs one single-threaded instance per core on a CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import redis
 import torch
 
 from worker.app import build_worker
-from worker.settings import load_settings, threads_per_instance
+from worker.execution.cores import available_cores
+from worker.policy.layout import choose_layout
+from worker.settings import load_settings
 from worker.supervisor import child_settings
 
 
@@ -20,25 +23,41 @@ def test_torch_threads_setting_is_applied_when_the_worker_is_built(r: redis.Redi
         torch.set_num_threads(default)
 
 
-def test_zero_keeps_torchs_default(r: redis.Redis) -> None:
+def test_one_instance_gets_every_core(r: redis.Redis) -> None:
     default = torch.get_num_threads()
-    build_worker(load_settings(None, model="echo", metrics_port=0), r)
-    assert torch.get_num_threads() == default
+    try:
+        build_worker(load_settings(None, model="echo", instances=1, metrics_port=0), r)
+        assert torch.get_num_threads() == available_cores()
+    finally:
+        torch.set_num_threads(default)
 
 
-def test_instances_share_the_cores_unless_threads_are_set() -> None:
-    assert threads_per_instance(0, default=8, instances=1) == 8
-    assert threads_per_instance(0, default=8, instances=2) == 4
-    assert threads_per_instance(0, default=8, instances=2, processes=2) == 2
-    assert threads_per_instance(0, default=2, instances=4) == 1  # never below one
-    assert threads_per_instance(3, default=8, instances=2, processes=2) == 3  # as set
+def test_auto_runs_one_single_threaded_instance_per_core(r: redis.Redis) -> None:
+    default = torch.get_num_threads()
+    try:
+        worker = build_worker(load_settings(None, model="echo", metrics_port=0), r)
+        assert len(worker.runners) == available_cores()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(default)
+
+
+def test_auto_keeps_one_instance_for_a_model_that_does_not_declare_it(r: redis.Redis) -> None:
+    default = torch.get_num_threads()
+    try:
+        worker = build_worker(load_settings(None, model="tests.plugin_models:SerialEcho",
+                                            metrics_port=0), r)
+        assert len(worker.runners) == 1
+        assert torch.get_num_threads() == available_cores()
+    finally:
+        torch.set_num_threads(default)
 
 
 def test_two_instances_get_half_the_cores_each(r: redis.Redis) -> None:
     default = torch.get_num_threads()
     try:
         build_worker(load_settings(None, model="echo", instances=2, metrics_port=0), r)
-        assert torch.get_num_threads() == max(1, default // 2)
+        assert torch.get_num_threads() == max(1, available_cores() // 2)
     finally:
         torch.set_num_threads(default)
 
@@ -46,6 +65,16 @@ def test_two_instances_get_half_the_cores_each(r: redis.Redis) -> None:
 def test_supervised_processes_share_the_cores() -> None:
     settings = load_settings(None, model="echo", processes=2, instances=2)
     children = child_settings(settings, "redis://h:1/0")
-    expected = max(1, torch.get_num_threads() // 4)
-    assert [child.torch_threads for child in children] == [expected, expected]
-    assert all(child.instances == 2 for child in children)
+    share = max(1, available_cores() // 2)
+    assert [child.cpu_cores for child in children] == [share, share]
+    layouts = [choose_layout(c.instances, c.torch_threads, c.cpu_cores, True, True)
+               for c in children]
+    assert [(lay.instances, lay.threads) for lay in layouts] == [(2, max(1, share // 2))] * 2
+
+
+def test_supervised_children_under_auto_lay_out_their_share() -> None:
+    children = child_settings(load_settings(None, model="echo", processes=2), "redis://h:1/0")
+    share = max(1, available_cores() // 2)
+    layouts = [choose_layout(c.instances, c.torch_threads, c.cpu_cores, True, True)
+               for c in children]
+    assert [(lay.instances, lay.threads) for lay in layouts] == [(share, 1)] * 2

@@ -174,7 +174,7 @@ def test_higher_priority_goes_first_within_a_bucket(r: redis.Redis, client: Clie
     priorities = [0, 5, -1, 9, 5, 0]
     for n, priority in enumerate(priorities):
         client.submit(n, request_id=f"r{n}", reply_to=SHARED, priority=priority)
-    with worker_factory(bucket_boundaries=[], max_batch_size=1):
+    with worker_factory(bucket_boundaries=[], max_batch_size=1, instances=1):  # one server
         wait_until(lambda: r.llen(SHARED) == len(priorities))
         answered = [protocol.decode_envelope(data)["id"] for data in r.lrange(SHARED, 0, -1)]
     assert answered[::-1] == ["r3", "r1", "r4", "r0", "r5", "r2"]  # LPUSH: newest first

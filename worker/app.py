@@ -24,14 +24,16 @@ from worker.execution.calibration import (
     measure_merge_tokens,
     warm_up,
 )
-from worker.execution.executor import DEFAULT_TORCH_THREADS, Executor, resolve_device
+from worker.execution.cores import available_cores
+from worker.execution.executor import Executor, resolve_device
 from worker.execution.memory import memory_probe
 from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
 from worker.pipeline.worker import Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
 from worker.policy.governor import Governor, policy_from_settings
-from worker.settings import Settings, threads_per_instance
+from worker.policy.layout import Layout, choose_layout
+from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetters
 from worker.streams.maintenance import Maintenance
 from worker.streams.reader import StreamReader
@@ -80,8 +82,7 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
         device = resolve_device(settings.device)
     except (ModelLoadError, ValueError) as exc:
         raise StartupError(str(exc)) from None
-    torch.set_num_threads(threads_per_instance(settings.torch_threads, DEFAULT_TORCH_THREADS,
-                                               settings.instances))
+    torch.set_num_threads(resolve_layout(settings, model, device).threads)
     started = time.perf_counter()
     try:
         model.load(device)
@@ -93,6 +94,13 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
     return model, device
 
 
+def resolve_layout(settings: Settings, model: Model, device: torch.device) -> Layout:
+    """How many model instances this process runs, with how many torch threads."""
+    return choose_layout(settings.instances, settings.torch_threads,
+                         settings.cpu_cores or available_cores(), device.type == "cpu",
+                         model.concurrent_forward)
+
+
 def load_batch_sizes(settings: Settings, device: torch.device) -> dict[int, int] | None:
     """The calibrated batch size per bucket boundary, when this model was calibrated here."""
     path = calibration_path(settings.calibration_dir, settings.model_name, device)
@@ -101,7 +109,7 @@ def load_batch_sizes(settings: Settings, device: torch.device) -> dict[int, int]
     except CalibrationError as exc:
         raise StartupError(str(exc)) from None
     if sizes is None:
-        log.info("calibration.none", path=str(path), hint="python -m worker calibrate")
+        log.debug("calibration.none", path=str(path), hint="python -m worker calibrate")
     else:
         log.info("calibration.loaded", path=str(path), batch_sizes=sizes)
     return sizes
@@ -112,6 +120,7 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     """The composition root: build every part from the settings and hand them, built, to
     the Worker. `calibrated`: the best batch size per bucket boundary, from `python -m
     worker calibrate`; it lowers max_batch_size for that bucket."""
+    layout = resolve_layout(settings, model, executor.device)
     name = settings.model_name
     stream = protocol.stream_key(settings.namespace, name)
     group, consumer = settings.group, settings.consumer
@@ -121,11 +130,10 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
         boundaries = list(model.default_bucket_boundaries)
     limits = BatchLimits(settings.max_batch_size, settings.max_batch_tokens,
                          settings.max_wait_ms / 1000)
-    governor = Governor(limits, len(boundaries) + 1, policy_from_settings(settings),
-                        calibrated_sizes(boundaries, calibrated or {}))
+    governor = build_governor(settings, limits, boundaries, calibrated or {})
     lock = threading.Lock()  # the worker's one lock: batcher, governor, in-flight state
     memory = memory_probe(executor.device, settings.memory_limit_bytes)
-    executors = [executor] + [executor.another() for _ in range(settings.instances - 1)]
+    executors = [executor] + [executor.another() for _ in range(layout.instances - 1)]
     parts = Parts(
         reader=StreamReader(client, stream, group, consumer),
         replier=Replier(client, stream, group, consumer, settings.result_ttl_ms,
@@ -136,19 +144,30 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
             max_deliveries=settings.max_deliveries, result_ttl_ms=settings.result_ttl_ms,
             max_payload_bytes=settings.max_payload_bytes),
         maintenance=Maintenance(client, stream, group, name, reclaimer,
-                                settings.maintenance_interval_s, settings.consumer_idle_ms),
+                                settings.maintenance_interval_s, settings.consumer_idle_ms,
+                                describe_worker(settings, layout, executor.device),
+                                protocol.workers_key(settings.namespace, name)),
         batcher=Batcher(boundaries, limits, caps=governor.limits),
         governor=governor,
-        runners=[BatchRunner(e, governor, memory, name, governing=lock) for e in executors])
+        runners=[BatchRunner(e, governor, memory, name, governing=lock) for e in executors],
+        layout=layout)
     worker = Worker(settings, model, parts, lock)
     worker.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
                             else settings.merge_tokens)
     return worker
 
 
-def calibrated_sizes(boundaries: Sequence[int], calibrated: Mapping[int, int]) -> dict[int, int]:
-    """Calibrated batch sizes by bucket index, for the boundaries that were calibrated."""
-    return {i: calibrated[b] for i, b in enumerate(boundaries) if b in calibrated}
+def describe_worker(settings: Settings, layout: Layout, device: torch.device) -> dict[str, str]:
+    """What `stats` shows of this worker: its layout and why, and its device."""
+    return {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
+            "model": settings.model}
+
+
+def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence[int],
+                   calibrated: Mapping[int, int]) -> Governor:
+    """One cap per bucket; a calibrated bucket starts at its calibrated batch size."""
+    sizes = {i: calibrated[b] for i, b in enumerate(boundaries) if b in calibrated}
+    return Governor(limits, len(boundaries) + 1, policy_from_settings(settings), sizes)
 
 
 def build_worker(settings: Settings, client: redis.Redis) -> Worker:
@@ -172,5 +191,5 @@ def measure_merge(worker: Worker, model: Model) -> None:
         return
     if measured is not None:
         worker.set_merge_tokens(measured)
-    log.info("batching.merge_tokens", merge_tokens=worker.batcher.merge_tokens,
+    log.debug("batching.merge_tokens", merge_tokens=worker.batcher.merge_tokens,
              measured=measured is not None)

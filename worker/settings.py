@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -39,10 +39,13 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: the "
                                "cores shared out among the processes and instances")
-    instances: int = Field(1, gt=0, description=(
+    instances: int | Literal["auto"] = Field("auto", description=(
         "model instances in each process: batches computed at once from one queue, sharing "
-        "one copy of the weights (Triton's instance_group count). On a CPU, several instances "
-        "of fewer threads each beat one of many at small batches"))
+        "one copy of the weights (Triton's instance_group count). auto: on a CPU, one "
+        "single-threaded instance per core for a model that declares concurrent_forward "
+        "(the built-ins do), else one; on CUDA one per device"))
+    cpu_cores: int = Field(0, ge=0, description="cores this process may use; 0: read from its "
+                           "CPU affinity and cgroup quota (--processes gives each its share)")
 
     max_batch_size: int = Field(32, gt=0)
     max_batch_tokens: int = Field(8192, gt=0, description="cap on n x longest per batch")
@@ -87,6 +90,20 @@ class Settings(BaseSettings):
     log_format: str = Field("auto", pattern="^(auto|json|console)$")
     data_dir: Path = Field(Path(".redbatch"), description="embedded Redis data")
 
+    @field_validator("instances", mode="before")
+    @classmethod
+    def _instances_count_or_auto(cls, value: Any) -> int | str:
+        """One clear message for both forms (a union would report one error per member)."""
+        if value == "auto":
+            return value
+        try:
+            count = int(value)
+        except (TypeError, ValueError):
+            count = 0
+        if count <= 0 or isinstance(value, bool | float):
+            raise ValueError('must be "auto" or a whole number above 0')
+        return count
+
     @field_validator("bucket_boundaries")
     @classmethod
     def _boundaries_increase(cls, value: list[int] | None) -> list[int] | None:
@@ -116,13 +133,6 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
-
-
-def threads_per_instance(torch_threads: int, default: int, instances: int,
-                         processes: int = 1) -> int:
-    """torch threads for each model instance: `torch_threads` when set, else torch's default
-    (one per core) shared out among every instance of every process, so none oversubscribe."""
-    return torch_threads or max(1, default // (instances * processes))
 
 
 class SettingsError(Exception):

@@ -27,10 +27,11 @@ import structlog
 from prometheus_client import CollectorRegistry, multiprocess
 
 from worker.app import StartupError, redis_url
-from worker.execution.executor import DEFAULT_TORCH_THREADS
+from worker.execution.cores import available_cores
 from worker.observe.endpoints import start_server
 from worker.policy.backoff import backoff_delays
-from worker.settings import Settings, threads_per_instance
+from worker.policy.layout import share_cores
+from worker.settings import Settings
 
 log = structlog.get_logger("redbatch.supervisor")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without backoff
@@ -40,14 +41,13 @@ POLL_S = 0.2
 
 def child_settings(settings: Settings, url: str) -> list[Settings]:
     """One Settings per child: its slot's consumer name and device, one process, no /metrics,
-    and its share of the cores."""
+    and its share of the cores (each child lays out its instances on them)."""
     devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
     slots = devices or [settings.device] * settings.processes
-    threads = threads_per_instance(settings.torch_threads, DEFAULT_TORCH_THREADS,
-                                   settings.instances, len(slots))
+    cores = share_cores(settings.cpu_cores or available_cores(), len(slots))
     return [settings.model_copy(update={
         "consumer": f"{settings.consumer}-{slot}", "device": device, "redis_url": url,
-        "processes": 1, "devices": "", "metrics_port": 0, "torch_threads": threads})
+        "processes": 1, "devices": "", "metrics_port": 0, "cpu_cores": cores})
         for slot, device in enumerate(slots)]
 
 

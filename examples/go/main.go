@@ -1,14 +1,15 @@
 // A redbatch client in Go (protocol v1, docs/protocol.md): XADD each request onto the
-// model's stream with a msgpack payload, then BLPOP each request's reply key.
+// model's stream (pipelined), then BLPOP each request's reply key.
 //
 //	go run . "first text" "second text"
-//	env: REDIS_URL (redis://127.0.0.1:6379/0), MODEL (minilm), TIMEOUT_S (30)
+//	env: REDIS_URL (redis://127.0.0.1:6379/0), MODEL (minilm), CONTENT_TYPE
+//	     (application/msgpack or application/json), TIMEOUT_S (30)
 //
 // Prints one reply envelope per line as JSON; exits 1 if any request failed or timed out.
+// Libraries: redigo and vmihailenco/msgpack, both packaged by Debian (see ../README.md).
 package main
 
 import (
-	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -18,11 +19,15 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/redis/go-redis/v9"
+	"github.com/gomodule/redigo/redis"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
-const namespace = "redbatch"
+const (
+	namespace   = "redbatch"
+	jsonType    = "application/json"
+	msgpackType = "application/msgpack"
+)
 
 // Envelope is a reply: a result when OK, an error otherwise.
 type Envelope struct {
@@ -46,68 +51,97 @@ func getenv(name, fallback string) string {
 	return fallback
 }
 
-func newID() string {
+func newID() (string, error) {
 	b := make([]byte, 16)
 	if _, err := rand.Read(b); err != nil {
-		panic(err)
-	}
-	return hex.EncodeToString(b)
-}
-
-// submit enqueues one request and returns its id.
-func submit(ctx context.Context, rdb *redis.Client, model, text string) (string, error) {
-	payload, err := msgpack.Marshal(map[string]string{"text": text})
-	if err != nil {
 		return "", err
 	}
-	id := newID()
-	err = rdb.XAdd(ctx, &redis.XAddArgs{
-		Stream: namespace + ":requests:" + model,
-		Values: map[string]any{"id": id, "payload": payload, "content_type": "application/msgpack"},
-	}).Err()
-	return id, err
+	return hex.EncodeToString(b), nil
+}
+
+func encodePayload(contentType string, payload map[string]string) ([]byte, error) {
+	if contentType == jsonType {
+		return json.Marshal(payload)
+	}
+	return msgpack.Marshal(payload)
+}
+
+// decodeEnvelope reads a reply, encoded like its request: JSON envelopes start with "{".
+func decodeEnvelope(data []byte) (Envelope, error) {
+	var envelope Envelope
+	if len(data) > 0 && data[0] == '{' {
+		return envelope, json.Unmarshal(data, &envelope)
+	}
+	return envelope, msgpack.Unmarshal(data, &envelope)
+}
+
+// submit enqueues every text in one pipeline and returns the request ids in order.
+func submit(conn redis.Conn, model, contentType string, texts []string) ([]string, error) {
+	ids := make([]string, 0, len(texts))
+	for _, text := range texts {
+		payload, err := encodePayload(contentType, map[string]string{"text": text})
+		if err != nil {
+			return nil, err
+		}
+		id, err := newID()
+		if err != nil {
+			return nil, err
+		}
+		err = conn.Send("XADD", namespace+":requests:"+model, "*",
+			"id", id, "payload", payload, "content_type", contentType)
+		if err != nil {
+			return nil, err
+		}
+		ids = append(ids, id)
+	}
+	if err := conn.Flush(); err != nil {
+		return nil, err
+	}
+	for range ids {
+		if _, err := redis.String(conn.Receive()); err != nil {
+			return nil, fmt.Errorf("XADD: %w", err)
+		}
+	}
+	return ids, nil
 }
 
 // wait pops the reply of one request, or reports a timeout.
-func wait(ctx context.Context, rdb *redis.Client, id string, timeout time.Duration) (Envelope, error) {
-	popped, err := rdb.BLPop(ctx, timeout, namespace+":reply:"+id).Result()
-	if errors.Is(err, redis.Nil) {
-		return Envelope{ID: id, Error: &ReplyError{"timeout", "no reply within " + timeout.String()}}, nil
+func wait(conn redis.Conn, id string, timeoutS int) (Envelope, error) {
+	popped, err := redis.ByteSlices(conn.Do("BLPOP", namespace+":reply:"+id, timeoutS))
+	if errors.Is(err, redis.ErrNil) {
+		message := fmt.Sprintf("no reply within %d s", timeoutS)
+		return Envelope{ID: id, Error: &ReplyError{"timeout", message}}, nil
 	}
 	if err != nil {
 		return Envelope{}, err
 	}
-	var envelope Envelope
-	err = msgpack.Unmarshal([]byte(popped[1]), &envelope)
-	return envelope, err
+	return decodeEnvelope(popped[1])
 }
 
 func run(texts []string) error {
-	ctx := context.Background()
-	options, err := redis.ParseURL(getenv("REDIS_URL", "redis://127.0.0.1:6379/0"))
-	if err != nil {
-		return err
-	}
 	timeoutS, err := strconv.Atoi(getenv("TIMEOUT_S", "30"))
 	if err != nil {
 		return fmt.Errorf("TIMEOUT_S: %w", err)
 	}
-	options.ReadTimeout = time.Duration(timeoutS+5) * time.Second // outlasts the BLPOP
-	rdb := redis.NewClient(options)
-	defer rdb.Close()
+	contentType := getenv("CONTENT_TYPE", msgpackType)
+	if contentType != msgpackType && contentType != jsonType {
+		return fmt.Errorf("CONTENT_TYPE: %q is neither %s nor %s", contentType, msgpackType, jsonType)
+	}
+	conn, err := redis.DialURL(getenv("REDIS_URL", "redis://127.0.0.1:6379/0"),
+		redis.DialConnectTimeout(5*time.Second),
+		redis.DialReadTimeout(time.Duration(timeoutS+5)*time.Second)) // outlasts the BLPOP
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
 
-	model := getenv("MODEL", "minilm")
-	ids := make([]string, 0, len(texts))
-	for _, text := range texts {
-		id, err := submit(ctx, rdb, model, text)
-		if err != nil {
-			return err
-		}
-		ids = append(ids, id)
+	ids, err := submit(conn, getenv("MODEL", "minilm"), contentType, texts)
+	if err != nil {
+		return err
 	}
 	failed := 0
 	for _, id := range ids {
-		envelope, err := wait(ctx, rdb, id, time.Duration(timeoutS)*time.Second)
+		envelope, err := wait(conn, id, timeoutS)
 		if err != nil {
 			return err
 		}

@@ -74,6 +74,7 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
     consumers.add_column("consumer", no_wrap=True)
     consumers.add_column("pending", justify="right")
     consumers.add_column("idle", justify="right")
+    consumers.add_column("layout", no_wrap=True)
     for stats, rate in rows:
         lag = f"≥{stats.lag}" if stats.lag_capped else str(stats.lag)
         drain = "—" if rate is None else format_duration(drain_seconds(stats.backlog, rate))
@@ -82,7 +83,7 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
                        "—" if rate is None else f"{rate:.1f}", drain)
         for consumer in stats.consumers:
             consumers.add_row(stats.model, consumer.name, str(consumer.pending),
-                              format_duration(consumer.idle_ms / 1000))
+                              format_duration(consumer.idle_ms / 1000), consumer.layout or "—")
     if not rows:
         models.caption = "no request streams yet"
     return Group(models, consumers)

@@ -165,8 +165,10 @@ def calibrate(executor: Executor, memory: MemoryProbe, boundaries: Sequence[int]
 
 
 def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> None:
-    """Run each bucket's largest allowed shape once, logging what that first run cost."""
+    """Run each bucket's largest allowed shape once. One info line says what it cost in all;
+    each bucket's own line is at debug level."""
     started = time.perf_counter()
+    sizes: list[int] = []
     for bucket, length in enumerate(boundaries):
         sample = model.sample(length)
         if sample is None:
@@ -179,9 +181,11 @@ def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> Non
         except Exception:  # warm-up only saves time: serve anyway, the error will show again
             log.exception("warmup.failed", bucket=bucket, max_length=sample.length)
             continue
-        log.info("warmup.bucket", bucket=bucket, max_length=sample.length, batch_size=len(items),
-                 ms=round(seconds * 1000, 1))
-    log.info("warmup.done", seconds=round(time.perf_counter() - started, 2))
+        sizes.append(len(items))
+        log.debug("warmup.bucket", bucket=bucket, max_length=sample.length,
+                  batch_size=len(items), ms=round(seconds * 1000, 1))
+    log.info("warmup.done", buckets=len(sizes), batch_size=max(sizes, default=0),
+             seconds=round(time.perf_counter() - started, 2))
 
 
 def measure_merge_tokens(runner: BatchRunner, model: Model, length: int,

@@ -20,9 +20,6 @@ import torch
 from worker.execution.devices import Lanes, Marker, PinnedStaging, map_tensors
 from worker.models.base import Model, Prepared
 
-# torch's own thread count (one per core), read before anything in this process changes it
-DEFAULT_TORCH_THREADS = torch.get_num_threads()
-
 
 def resolve_device(name: str) -> torch.device:
     """`auto` means the first CUDA device when one is present, else the CPU."""

@@ -38,6 +38,9 @@ class Model(ABC):
 
     #: bucket boundaries used when the settings give none
     default_bucket_boundaries: Sequence[int] = (16, 32, 64, 128, 256)
+    #: collate, forward and postprocess may run on several threads at once (no per-batch
+    #: state in `self`): `instances = "auto"` then runs one instance per CPU core
+    concurrent_forward: bool = False
 
     @abstractmethod
     def load(self, device: torch.device) -> None:

@@ -13,6 +13,7 @@ from worker.models.base import Model, Prepared
 
 class EchoModel(Model):
     default_bucket_boundaries = (64, 256, 1024, 4096)
+    concurrent_forward = True  # stateless: safe on several threads
 
     def __init__(self, delay_ms: float = 0.0) -> None:
         if delay_ms < 0:

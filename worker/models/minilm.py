@@ -52,6 +52,7 @@ class MiniLMModel(Model):
     # ~1.25x steps: padding costs full compute on a CPU, and sentence lengths crowd the short end
     default_bucket_boundaries = (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96, 128, 160,
                                  192, 256)
+    concurrent_forward = True  # shared read-only weights; per-batch state stays local
 
     def __init__(self, path: str | None = None, max_seq_length: int = MAX_SEQ_LENGTH,
                  trace: bool | None = None) -> None:

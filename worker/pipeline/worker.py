@@ -32,6 +32,7 @@ from worker.pipeline.retry import Grace, RedisRetry, ShutdownExpired
 from worker.policy.batching import Batcher
 from worker.policy.flow import FlowPolicy
 from worker.policy.governor import Governor
+from worker.policy.layout import Layout
 from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetters
 from worker.streams.maintenance import Maintenance
@@ -54,6 +55,7 @@ class Parts:
     batcher: Batcher
     governor: Governor
     runners: list[BatchRunner]  # one per model instance, sharing `lock` for the governor
+    layout: Layout  # the instances and threads the runners were built for
 
 
 class Worker:
@@ -65,6 +67,7 @@ class Worker:
         self.reader, self.replier = parts.reader, parts.replier
         self.maintenance = parts.maintenance
         self.batcher, self.governor, self.runners = parts.batcher, parts.governor, parts.runners
+        self.layout = parts.layout
         self.stopping = threading.Event()
         self.ready = threading.Event()
         self.failed = False
@@ -88,6 +91,7 @@ class Worker:
     def run(self) -> None:
         """Serve until stop() is called, then answer everything held and return."""
         self.retry(self.reader.ensure_group)
+        self.retry(self.maintenance.announce)
         intake = self._thread("redbatch-reader", self._intake_thread)
         replier = self._thread("redbatch-replier", self._reply_thread)
         self._thread("redbatch-maintenance", self.maintenance.run, self.stopping)
@@ -96,7 +100,8 @@ class Worker:
         self.ready.set()
         log.info("worker.serving", stream=self.reader.stream, group=self.settings.group,
                  consumer=self.settings.consumer, buckets=self.batcher.boundaries,
-                 instances=len(self.runners))
+                 instances=len(self.runners), threads=self.layout.threads,
+                 layout=self.layout.reason)
         try:
             self._compute_thread(self.computes[0])  # the first instance computes here
         finally:

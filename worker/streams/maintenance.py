@@ -1,11 +1,14 @@
 """Periodic upkeep of a stream: trim what every group has acked, export the backlog, remove
-consumers that left. Every worker runs it; each step is one atomic script, so running it in
-many workers at once is harmless. A failing step is logged and tried again next period.
+consumers that left, and announce this worker (its layout, for `stats`). Every worker runs
+it; each step is one atomic script or transaction, so running it in many workers at once is
+harmless. A failing step is logged and tried again next period.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -52,15 +55,24 @@ return redis.call('XTRIM', KEYS[1], 'MINID', keep)
 """
 
 
+ANNOUNCE_TTL_INTERVALS = 10  # the workers hash outlives the last worker by this many periods
+
+
 class Maintenance:
     def __init__(self, client: redis.Redis, stream: str, group: str, model_name: str,
-                 reclaimer: Reclaimer, interval_s: float, consumer_idle_ms: int) -> None:
+                 reclaimer: Reclaimer, interval_s: float, consumer_idle_ms: int,
+                 description: Mapping[str, str] | None = None,
+                 workers_key: str | None = None) -> None:
+        """`description`: what `stats` shows of this worker, kept under `workers_key`."""
+        self.client = client
         self.stream = stream
         self.group = group
         self.model_name = model_name
         self.reclaimer = reclaimer
         self.interval_s = interval_s
         self.consumer_idle_ms = consumer_idle_ms
+        self.description = json.dumps(dict(description or {}))
+        self.workers_key = workers_key
         self._trim = client.register_script(TRIM_ACKED)
         self._backlog = client.register_script(BACKLOG)
 
@@ -76,7 +88,20 @@ class Maintenance:
         if trimmed:
             log.debug("stream.trimmed", entries=trimmed)
         metrics.BACKLOG.labels(self.model_name).set(self.backlog())
-        self.reclaimer.remove_idle_consumers(self.consumer_idle_ms)
+        removed = self.reclaimer.remove_idle_consumers(self.consumer_idle_ms)
+        self.announce(gone=removed)
+
+    def announce(self, gone: list[str] | None = None) -> None:
+        """Write this worker's description, and forget consumers that left, in one step."""
+        if self.workers_key is None:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.workers_key, self.reclaimer.consumer, self.description)
+        if gone:
+            pipe.hdel(self.workers_key, *gone)
+        pipe.pexpire(self.workers_key,
+                     int(self.interval_s * 1000 * ANNOUNCE_TTL_INTERVALS) + self.consumer_idle_ms)
+        pipe.execute()
 
     def trim(self) -> int:
         """Drop the entries every group has acked; returns how many went."""

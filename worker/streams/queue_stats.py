@@ -7,6 +7,7 @@ entries after the group's last-delivered id inside Redis, up to LAG_COUNT_CAP of
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ class ConsumerStats:
     name: str
     pending: int
     idle_ms: int
+    layout: str | None = None  # "2 instance(s) x 1 thread(s)", as the worker announced it
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,8 @@ def read_stream_stats(client: redis.Redis, namespace: str, model: str,
     pipe.xlen(stream)
     pipe.get(protocol.answered_key(namespace, model))
     pipe.xlen(protocol.dead_letter_key(namespace, model))
-    length, answered, dead = pipe.execute()
+    pipe.hgetall(protocol.workers_key(namespace, model))
+    length, answered, dead, workers = pipe.execute()
     info = next((g for g in _groups(client, stream) if as_text(g["name"]) == group), None)
     if info is None:
         return StreamStats(model, length, length, 0, int(answered or 0), dead)
@@ -79,10 +82,21 @@ def read_stream_stats(client: redis.Redis, namespace: str, model: str,
     if lag is None:  # Redis 6.2, or 7 after deletions it cannot account for
         lag = count_undelivered(client, stream, group, info["pending"])
         capped = lag >= LAG_COUNT_CAP
-    consumers = [ConsumerStats(as_text(c["name"]), c["pending"], c["idle"])
+    layouts = {as_text(name): layout_of(text) for name, text in workers.items()}
+    consumers = [ConsumerStats(as_text(c["name"]), c["pending"], c["idle"],
+                               layouts.get(as_text(c["name"])))
                  for c in client.xinfo_consumers(stream, group)]
     return StreamStats(model, length, lag, info["pending"], int(answered or 0), dead,
                        consumers, capped)
+
+
+def layout_of(announced: bytes | str) -> str | None:
+    """The layout a worker announced (streams/maintenance.py), or None if unreadable."""
+    try:
+        layout = json.loads(announced).get("layout")
+    except (ValueError, AttributeError):
+        return None
+    return layout if isinstance(layout, str) else None
 
 
 def _groups(client: redis.Redis, stream: str) -> list[dict[str, Any]]:
