@@ -4,62 +4,58 @@ the model instances and worker processes, so that none oversubscribe. `instances
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 import redis
 import torch
 
 from worker.app import build_worker
 from worker.execution.cores import available_cores
+from worker.pipeline.worker import Worker
 from worker.policy.layout import choose_layout
 from worker.settings import load_settings
 from worker.supervisor import child_settings
 
 
-def test_torch_threads_setting_is_applied_when_the_worker_is_built(r: redis.Redis) -> None:
+@pytest.fixture(autouse=True)
+def restore_torch_threads() -> Iterator[None]:
+    """Building a worker sets torch's thread count for the whole process: put it back."""
     default = torch.get_num_threads()
-    try:
-        build_worker(load_settings(None, model="echo", torch_threads=1, metrics_port=0), r)
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(default)
+    yield
+    torch.set_num_threads(default)
+
+
+def build(r: redis.Redis, **settings: Any) -> Worker:
+    return build_worker(load_settings(None, metrics_port=0, **{"model": "echo", **settings}), r)
+
+
+def test_torch_threads_setting_is_applied_when_the_worker_is_built(r: redis.Redis) -> None:
+    build(r, torch_threads=1)
+    assert torch.get_num_threads() == 1
 
 
 def test_one_instance_gets_every_core(r: redis.Redis) -> None:
-    default = torch.get_num_threads()
-    try:
-        build_worker(load_settings(None, model="echo", instances=1, metrics_port=0), r)
-        assert torch.get_num_threads() == available_cores()
-    finally:
-        torch.set_num_threads(default)
+    build(r, instances=1)
+    assert torch.get_num_threads() == available_cores()
 
 
 def test_auto_runs_one_single_threaded_instance_per_core(r: redis.Redis) -> None:
-    default = torch.get_num_threads()
-    try:
-        worker = build_worker(load_settings(None, model="echo", metrics_port=0), r)
-        assert len(worker.runners) == available_cores()
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(default)
+    worker = build(r)
+    assert len(worker.runners) == available_cores()
+    assert torch.get_num_threads() == 1
 
 
 def test_auto_keeps_one_instance_for_a_model_that_does_not_declare_it(r: redis.Redis) -> None:
-    default = torch.get_num_threads()
-    try:
-        worker = build_worker(load_settings(None, model="tests.plugin_models:SerialEcho",
-                                            metrics_port=0), r)
-        assert len(worker.runners) == 1
-        assert torch.get_num_threads() == available_cores()
-    finally:
-        torch.set_num_threads(default)
+    worker = build(r, model="tests.plugin_models:SerialEcho")
+    assert len(worker.runners) == 1
+    assert torch.get_num_threads() == available_cores()
 
 
 def test_two_instances_get_half_the_cores_each(r: redis.Redis) -> None:
-    default = torch.get_num_threads()
-    try:
-        build_worker(load_settings(None, model="echo", instances=2, metrics_port=0), r)
-        assert torch.get_num_threads() == max(1, available_cores() // 2)
-    finally:
-        torch.set_num_threads(default)
+    build(r, instances=2)
+    assert torch.get_num_threads() == max(1, available_cores() // 2)
 
 
 def test_supervised_processes_share_the_cores() -> None:
