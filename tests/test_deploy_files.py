@@ -125,6 +125,61 @@ def test_demo_producer(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch)
     assert producer["depends_on"]["worker"]["condition"] == "service_healthy"
 
 
+
+def assert_gateway_env(env: dict[str, str | None], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Every REDBATCH_* variable is a gateway setting, and the values are accepted."""
+    from producer.gateway.settings import GatewaySettings, load_gateway_settings
+
+    for name, value in env.items():
+        if name.startswith("REDBATCH_"):
+            assert name[len("REDBATCH_"):].lower() in GatewaySettings.model_fields, name
+            if value is not None and "$(" not in value:
+                monkeypatch.setenv(name, value)
+    return load_gateway_settings()
+
+
+def test_gateway_service(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m producer serve` on :8000 against the compose Redis, probed on /readyz."""
+    gateway = compose["services"]["gateway"]
+    assert assert_python_module_command(gateway["command"]) == ["serve"]
+    env = env_of(gateway["environment"])
+    assert env["REDBATCH_REDIS_URL"].startswith("redis://redis:")
+    settings = assert_gateway_env(env, monkeypatch)
+    assert settings.port == 8000 and f"{settings.port}:{settings.port}" in gateway["ports"]
+    assert gateway["image"] == compose["services"]["worker"]["image"]
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    url = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(gateway["healthcheck"]["test"]))
+    assert url and int(url[1]) == settings.port and url[2] == "/readyz"
+    from producer.gateway.app import create_app
+
+    paths = {route.path for route in create_app(settings).app.routes}
+    assert {"/readyz", "/healthz", "/metrics", "/v1/embeddings", "/v1/models"} <= paths
+
+
+def test_gateway_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/k8s/gateway.yaml: a Deployment serving `producer serve` and a Service on it."""
+    documents = {d["kind"]: d for d in load_yaml_all("deploy/k8s/gateway.yaml")}
+    assert set(documents) == {"Deployment", "Service"}
+    assert "gateway.yaml" in load_yaml("deploy/k8s/kustomization.yaml")["resources"]
+    deployment, service = documents["Deployment"], documents["Service"]
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert assert_python_module_command(container["command"]) == ["serve"]
+    settings = assert_gateway_env(env_of(container["env"]), monkeypatch)
+    http = next(p for p in container["ports"] if p["name"] == "http")
+    assert http["containerPort"] == settings.port
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert service["spec"]["selector"] == pod["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"] == pod["metadata"]["labels"]
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert pod["spec"]["terminationGracePeriodSeconds"] > settings.request_timeout_s
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    for version in kubernetes_versions():
+        for document in documents.values():
+            assert kubernetes_errors(document, version) == []
+
+
 def bind_mounts(service: dict[str, Any]) -> Iterator[tuple[Path, str]]:
     for volume in service.get("volumes", []):
         source, target = volume.split(":")[:2]
@@ -259,10 +314,11 @@ def test_worker_scales(compose: dict[str, Any]) -> None:
 
 
 def test_every_service_has_its_profiles(compose: dict[str, Any]) -> None:
-    """The default project is Redis, the worker and the demo producer; `--profile monitoring`
-    adds Prometheus and Grafana; no other profile exists, and the one there is is documented."""
+    """The default project is Redis, the worker, the demo producer and the gateway;
+    `--profile monitoring` adds Prometheus and Grafana; no other profile exists, and the one
+    there is is documented."""
     profiles = {name: service.get("profiles", []) for name, service in compose["services"].items()}
-    assert profiles == {"redis": [], "worker": [], "producer": [],
+    assert profiles == {"redis": [], "worker": [], "producer": [], "gateway": [],
                         "prometheus": ["monitoring"], "grafana": ["monitoring"]}
     header = (ROOT / "compose.yaml").read_text()
     for profile in {p for names in profiles.values() for p in names}:
@@ -274,7 +330,8 @@ def test_profiles_resolve(compose: dict[str, Any], profiles: set[str]) -> None:
     """Every dependency of a started service is started too, and a `service_healthy` one has a
     healthcheck to become healthy by."""
     active = active_services(compose, profiles)
-    expected = {"redis", "worker", "producer"} | ({"prometheus", "grafana"} if profiles else set())
+    expected = ({"redis", "worker", "producer", "gateway"}
+                | ({"prometheus", "grafana"} if profiles else set()))
     assert active == expected
     services = compose["services"]
     for name in sorted(active):

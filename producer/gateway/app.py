@@ -1,0 +1,184 @@
+"""The routes: POST /v1/embeddings, /v1/chat/completions and /v1/completions (generation.py),
+GET /v1/models, /metrics, /healthz and /readyz.
+
+`create_app(settings)` is the composition root: one Redis client per process (built by
+`producer.connection.async_client`, so `redis_url` takes the same forms as everywhere else:
+redis://, rediss://, unix://, Sentinel), whose connection pool the Dispatcher and the
+Discovery share, and handlers that turn every failure into OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from contextlib import asynccontextmanager
+from typing import Any
+
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from producer import connection
+from producer.gateway import errors, metrics
+from producer.gateway.discovery import Discovery, ModelState
+from producer.gateway.dispatch import Dispatcher
+from producer.gateway.errors import ApiError
+from producer.gateway.generation import Generations, chat_completions, completions
+from producer.gateway.openai_shapes import (
+    check_dimensions,
+    embedding_of,
+    embeddings_response,
+    models_response,
+    parse_embedding_request,
+)
+from producer.gateway.settings import GatewaySettings, load_gateway_settings
+
+
+class Gateway:
+    """The state one process's handlers share."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.redis = connection.async_client(settings.redis_url)
+        self.dispatcher = Dispatcher(self.redis, settings.namespace, settings.group,
+                                     settings.max_backlog, settings.request_timeout_s)
+        self.discovery = Discovery(self.redis, settings.namespace, settings.group,
+                                   settings.live_worker_idle_s, settings.model_cache_s)
+        self.generations = Generations(self.redis, self.dispatcher, settings.namespace,
+                                       settings.request_timeout_s)
+
+    def authorize(self, request: Request) -> None:
+        """401 unless a configured key is presented as `Authorization: Bearer <key>`."""
+        keys = self.settings.api_keys
+        if not keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(
+                hmac.compare_digest(key.strip().encode(), k.encode()) for k in keys):
+            raise ApiError(401, "missing or invalid API key: send Authorization: Bearer <key>",
+                           "invalid_api_key", None, {"WWW-Authenticate": "Bearer"})
+
+    async def json_body(self, request: Request) -> Any:
+        """The body as JSON: 415 for another content type, 413 past the limit, 400 if bad."""
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, got "
+                           f"{content_type or 'none'!r}", "unsupported_media_type")
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise body_too_large(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise body_too_large(limit)
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise errors.invalid(f"the body is not valid JSON: {exc}", None,
+                                 "invalid_json") from None
+
+    async def require_live(self, model: str) -> None:
+        state = await self.discovery.state(model)
+        if state is ModelState.UNKNOWN:
+            raise errors.unknown_model(model)
+        if state is ModelState.NO_WORKER:
+            raise errors.no_live_worker(model)
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", "body_too_large")
+
+
+async def embeddings(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    gateway.authorize(request)
+    parsed = parse_embedding_request(await gateway.json_body(request),
+                                     gateway.settings.max_inputs)
+    await gateway.require_live(parsed.model)
+    metrics.INPUTS.labels(parsed.model).inc(len(parsed.inputs))
+    envelopes = await gateway.dispatcher.run(parsed.model, [{"text": t} for t in parsed.inputs])
+    for envelope in envelopes:
+        if not envelope.get("ok"):
+            error = envelope.get("error") or {}
+            retry = error.get("retry_after_ms")
+            raise errors.from_worker(str(error.get("code", "")), str(error.get("message", "")),
+                                     retry if isinstance(retry, int) else None)
+    results = [envelope["result"] for envelope in envelopes]
+    check_dimensions(parsed, len(embedding_of(results[0])))
+    return JSONResponse(embeddings_response(parsed, results))
+
+
+async def list_models(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    gateway.authorize(request)
+    return JSONResponse(models_response(await gateway.discovery.live_models()))
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"ok": True})
+
+
+async def readyz(request: Request) -> Response:
+    """Ready when Redis answers PING; 503 otherwise, so a balancer routes elsewhere."""
+    try:
+        await request.app.state.gateway.redis.ping()
+    except (RedisError, OSError) as exc:
+        return JSONResponse({"ok": False, "error": f"redis: {exc}"}, status_code=503)
+    return JSONResponse({"ok": True})
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+               else str(exc.detail))
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return await api_error(request, ApiError(exc.status_code, message, code))
+
+
+async def redis_error(request: Request, exc: Exception) -> Response:
+    return await api_error(request, ApiError(503, f"Redis is unavailable: {exc}",
+                                             "redis_unavailable"))
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}",
+                                             "internal_error"))
+
+
+def create_app(settings: GatewaySettings | None = None) -> Any:
+    """The ASGI app (Starlette inside the metrics middleware)."""
+    gateway = Gateway(settings or load_gateway_settings())
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> Any:
+        yield
+        await gateway.redis.aclose()
+
+    app = Starlette(routes=[
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+    ], exception_handlers={ApiError: api_error, HTTPException: http_error,
+                           RedisError: redis_error, Exception: server_error},
+        lifespan=lifespan)
+    app.state.gateway = gateway
+    return metrics.MetricsMiddleware(app)

@@ -1,0 +1,88 @@
+"""HTTP errors in OpenAI's shape, and the worker's error codes mapped to HTTP statuses.
+
+Pure: no I/O, so the mapping is unit-tested on its own (tests/test_gateway_shapes.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer.protocol import ErrorCode
+
+# OpenAI's `error.type` per status: SDKs branch on the status, people read the type.
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+    429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+# A worker's failure envelope -> (HTTP status, OpenAI `error.code`).
+WORKER_STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request"),
+    ErrorCode.TOO_LARGE: (413, "input_too_large"),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    ErrorCode.MODEL_ERROR: (500, "model_error"),
+    ErrorCode.INTERNAL: (500, "internal_error"),
+    ErrorCode.DEAD_LETTER: (500, "dead_letter"),
+    ErrorCode.OVERLOADED: (429, "overloaded"),  # shed at read time, with retry_after_ms
+}
+
+
+@dataclass
+class ApiError(Exception):
+    """Raised anywhere in a request's handling; the app turns it into the JSON response."""
+
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    @property
+    def type(self) -> str:
+        return ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500
+                               else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+def from_worker(code: str, message: str, retry_after_ms: int | None = None) -> ApiError:
+    """The ApiError for a worker's failure envelope; unknown codes are server errors. An
+    `overloaded` refusal carries the worker's retry_after_ms as Retry-After (whole s)."""
+    status, api_code = WORKER_STATUS.get(code, (500, code or "internal_error"))
+    param = "input" if status in (400, 413) else None
+    headers = {} if retry_after_ms is None else {"Retry-After": str(-(-retry_after_ms // 1000))}
+    return ApiError(status, f"worker: {message}" if message else f"worker error {code}",
+                    api_code, param, headers)
+
+
+def overloaded(backlog: int, limit: int, retry_after_s: int = 1) -> ApiError:
+    """429 for back-pressure: the request stream's backlog is at `max_backlog`."""
+    return ApiError(429, f"the queue holds {backlog} requests, at its limit of {limit}; "
+                    "retry later", "overloaded", None, {"Retry-After": str(retry_after_s)})
+
+
+def unknown_model(model: str) -> ApiError:
+    return ApiError(404, f"the model '{model}' does not exist: no request stream for it",
+                    "model_not_found", "model")
+
+
+def no_live_worker(model: str) -> ApiError:
+    return ApiError(503, f"no live worker serves the model '{model}'; retry later",
+                    "no_live_worker", "model", {"Retry-After": "5"})
+
+
+def timed_out(seconds: float) -> ApiError:
+    return ApiError(504, f"no answer from the workers within {seconds:g} s", "timeout")

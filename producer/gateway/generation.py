@@ -1,0 +1,199 @@
+"""POST /v1/chat/completions and /v1/completions: generative models through Redis.
+
+A request is submitted with `producer.AsyncClient` (deadline_ms = now + request_timeout_s).
+`stream: false` sends `"stream": false` in the payload and BLPOPs the request's list reply
+key. `stream: true` reads the reply stream `redbatch:stream:<id>` with XREAD BLOCK from
+`0-0`, keeping the last id, and serves each delta as a server-sent event; the first entry is
+read before the response starts, so a refused request is a plain HTTP error. A client that
+goes away mid-stream (the SSE generator is cancelled or closed) cancels the generation:
+`SET redbatch:cancel:<id> 1 PX <ms>`. Response shapes: generation_shapes.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from producer import protocol
+from producer.client import Overloaded, block_slices
+from producer.gateway import errors
+from producer.gateway.dispatch import Dispatcher
+from producer.gateway.errors import ApiError
+from producer.gateway.generation_shapes import (
+    CHAT,
+    GenerationRequest,
+    chunk,
+    completion_response,
+    parse_chat_request,
+    parse_completion_request,
+    usage_chunk,
+)
+
+Entry = tuple[str, dict[str, Any]]
+CANCEL_MARGIN_MS = 60_000  # the cancel key outlives the request's deadline by this much
+
+
+def decode_entry(data: bytes) -> dict[str, Any]:
+    """A reply-stream envelope (delta or done), JSON or msgpack as the request was."""
+    envelope = protocol.decode(data, protocol.JSON if data[:1] == b"{" else protocol.MSGPACK)
+    if not isinstance(envelope, dict) or "type" not in envelope:
+        raise ValueError("reply stream entry is not a redbatch envelope")
+    return envelope
+
+
+def worker_error(envelope: dict[str, Any], param: str) -> ApiError:
+    """A failure envelope as an ApiError, naming the request's input field."""
+    error = envelope.get("error") or {}
+    retry = error.get("retry_after_ms")
+    api_error = errors.from_worker(str(error.get("code", "")), str(error.get("message", "")),
+                                   retry if isinstance(retry, int) else None)
+    if api_error.param == "input":
+        api_error.param = param
+    return api_error
+
+
+def sse(data: Any) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+class Generations:
+    """The Redis side of a generation: submit, wait, read the stream, cancel."""
+
+    def __init__(self, redis: aioredis.Redis, dispatcher: Dispatcher, namespace: str,
+                 timeout_s: float) -> None:
+        self.redis, self.dispatcher = redis, dispatcher
+        self.namespace, self.timeout_s = namespace, timeout_s
+
+    async def submit(self, model: str, payload: dict[str, Any]) -> str:
+        deadline_ms = int(time.time() * 1000 + self.timeout_s * 1000)
+        try:
+            return await self.dispatcher.client(model).submit(payload, deadline_ms=deadline_ms)
+        except Overloaded as exc:
+            raise errors.overloaded(exc.backlog, exc.max_backlog) from None
+
+    async def cancel(self, request_id: str) -> None:
+        await self.redis.set(protocol.cancel_key(self.namespace, request_id), 1,
+                             px=int(self.timeout_s * 1000) + CANCEL_MARGIN_MS)
+
+    async def wait_reply(self, request_id: str) -> dict[str, Any]:
+        """The list reply of a `"stream": false` request; cancel and 504 past the timeout."""
+        key = protocol.reply_key(self.namespace, request_id)
+        for block_s in block_slices(self.timeout_s):
+            popped: Any = await self.redis.blpop([key], timeout=block_s)
+            if popped is not None:
+                return protocol.decode_envelope(popped[1])
+        await self.cancel(request_id)
+        await self.redis.delete(key)
+        raise errors.timed_out(self.timeout_s)
+
+    async def read(self, key: str, last: str, deadline: float) -> list[Entry]:
+        """The entries after `last`, waiting until there are some; [] past `deadline`."""
+        while (remaining := deadline - time.monotonic()) > 0:
+            block_ms = max(10, int(min(remaining, 1.0) * 1000))
+            found: Any = await self.redis.xread({key: last}, count=256, block=block_ms)
+            entries = [(_text(entry_id), decode_entry(fields[b"data"]))
+                       for _, batch in found or [] for entry_id, fields in batch]
+            if entries:
+                return entries
+        return []
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class StreamReply:
+    """One streamed generation: the reply stream's entries as OpenAI chunks (SSE)."""
+
+    def __init__(self, generations: Generations, request: GenerationRequest,
+                 request_id: str) -> None:
+        self.generations, self.request, self.request_id = generations, request, request_id
+        self.key = protocol.token_stream_key(generations.namespace, request_id)
+        self.created = int(time.time())
+        self.deadline = time.monotonic() + generations.timeout_s
+        self.param = "messages" if request.kind == CHAT else "prompt"
+
+    async def first(self) -> list[Entry]:
+        """The first entries, before the response starts: errors are HTTP errors then."""
+        entries = await self.generations.read(self.key, "0-0", self.deadline)
+        if not entries:
+            await self.generations.cancel(self.request_id)
+            raise errors.timed_out(self.generations.timeout_s)
+        envelope = entries[0][1]
+        if envelope["type"] == "done" and not envelope.get("ok"):
+            await self.generations.redis.delete(self.key)
+            raise worker_error(envelope, self.param)
+        return entries
+
+    async def events(self, entries: list[Entry]) -> AsyncIterator[bytes]:
+        """SSE events until the done entry; cancels the generation unless it ended."""
+        finished = False
+        try:
+            if self.request.kind == CHAT:
+                yield sse(self._chunk("", first=True))
+            while entries:
+                for _, envelope in entries:
+                    if envelope["type"] != "done":
+                        yield sse(self._chunk(str(envelope.get("text", ""))))
+                        continue
+                    finished = True  # deleted before the client can see the end
+                    await self.generations.redis.delete(self.key)
+                    for event in self._done(envelope):
+                        yield event
+                    return
+                entries = await self.generations.read(self.key, entries[-1][0], self.deadline)
+            yield sse(errors.timed_out(self.generations.timeout_s).body())
+        finally:
+            if not finished:  # the client went away, or the deadline passed
+                with anyio.CancelScope(shield=True):
+                    await self.generations.cancel(self.request_id)
+
+    def _chunk(self, text: str | None, reason: str | None = None,
+               first: bool = False) -> dict[str, Any]:
+        return chunk(self.request, self.request_id, self.created, text, reason, first)
+
+    def _done(self, envelope: dict[str, Any]) -> list[bytes]:
+        if not envelope.get("ok"):
+            return [sse(worker_error(envelope, self.param).body())]
+        result = envelope.get("result") or {}
+        events = [sse(self._chunk(None, result.get("finish_reason")))]
+        if self.request.include_usage:
+            events.append(sse(usage_chunk(self.request, self.request_id, self.created,
+                                          result)))
+        return [*events, sse("[DONE]")]
+
+
+async def generate(request: Request, parse: Callable[[Any], GenerationRequest]) -> Response:
+    """The shared route: authorize, validate, check the model, then stream or wait."""
+    gateway = request.app.state.gateway
+    gateway.authorize(request)
+    parsed = parse(await gateway.json_body(request))
+    await gateway.require_live(parsed.model)
+    generations: Generations = gateway.generations
+    request_id = await generations.submit(parsed.model, parsed.payload)
+    if parsed.stream:
+        reply = StreamReply(generations, parsed, request_id)
+        entries = await reply.first()
+        return StreamingResponse(reply.events(entries), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    envelope = await generations.wait_reply(request_id)
+    if not envelope.get("ok"):
+        raise worker_error(envelope, "messages" if parsed.kind == CHAT else "prompt")
+    return JSONResponse(completion_response(parsed, request_id, int(time.time()),
+                                            envelope.get("result") or {}))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await generate(request, parse_chat_request)
+
+
+async def completions(request: Request) -> Response:
+    return await generate(request, parse_completion_request)

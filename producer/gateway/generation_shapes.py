@@ -1,0 +1,228 @@
+"""OpenAI's shapes for /v1/chat/completions and /v1/completions on generative models.
+
+Pure: `parse_chat_request` / `parse_completion_request` validate a body (ApiError 400 naming
+the field) into a `GenerationRequest` whose `payload` is the worker's generative payload
+(docs/protocol.md, "Generative models"); the builders turn the worker's envelopes into
+OpenAI's responses and stream chunks. A `null` optional field counts as absent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from producer.gateway.errors import invalid
+
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                 "stream_options", "n", "user"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+MESSAGE_FIELDS = {"role", "content", "name"}
+MAX_STOP = 4
+CHAT, TEXT = "chat", "text"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated body: `kind` is CHAT or TEXT, `payload` what the worker is sent."""
+
+    kind: str
+    model: str
+    payload: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_chat_request(body: Any) -> GenerationRequest:
+    fields = _fields(body, CHAT_FIELDS)
+    if "max_tokens" in fields and "max_completion_tokens" in fields:
+        raise invalid("send one of 'max_tokens' and 'max_completion_tokens'",
+                      "max_completion_tokens")
+    if "max_completion_tokens" in fields:
+        fields["max_tokens"] = fields.pop("max_completion_tokens")
+    return _request(CHAT, fields, {"messages": parse_messages(fields.get("messages"))})
+
+
+def parse_completion_request(body: Any) -> GenerationRequest:
+    fields = _fields(body, COMPLETION_FIELDS)
+    prompt = fields.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise invalid("'prompt' must be one string: lists of prompts and token ids are not "
+                      "supported", "prompt", "unsupported_input")
+    if not isinstance(prompt, str):
+        raise invalid("'prompt' is required and must be a string", "prompt")
+    return _request(TEXT, fields, {"prompt": prompt})
+
+
+def _fields(body: Any, known: set[str]) -> dict[str, Any]:
+    """The body's fields without nulls; 400 for a non-object or an unknown field."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise invalid(f"unsupported field '{unknown[0]}'", unknown[0], "unsupported_parameter")
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any]) -> GenerationRequest:
+    model = fields.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required and must be a non-empty string", "model")
+    n = fields.get("n", 1)
+    if not _is_int(n) or n < 1:
+        raise invalid("'n' must be a positive integer", "n")
+    if n != 1:
+        raise invalid("only n = 1 is supported", "n", "unsupported_parameter")
+    if not isinstance(fields.get("user", ""), str):
+        raise invalid("'user' must be a string", "user")
+    stream = fields.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("'stream' must be a boolean", "stream")
+    payload.update(sampling_fields(fields))
+    payload["stream"] = stream
+    return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream))
+
+
+def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """max_tokens, temperature, top_p, seed and stop, checked, in the worker's names."""
+    out: dict[str, Any] = {}
+    if "max_tokens" in fields:
+        if not _is_int(fields["max_tokens"]) or fields["max_tokens"] < 1:
+            raise invalid("'max_tokens' must be a positive integer", "max_tokens")
+        out["max_new_tokens"] = fields["max_tokens"]
+    if "temperature" in fields:
+        out["temperature"] = _number(fields["temperature"], "temperature", 0, 2)
+    if "top_p" in fields:
+        out["top_p"] = _number(fields["top_p"], "top_p", 0, 1)
+        if out["top_p"] == 0:
+            raise invalid("'top_p' must be above 0", "top_p")
+    if "seed" in fields:
+        if not _is_int(fields["seed"]):
+            raise invalid("'seed' must be an integer", "seed")
+        out["seed"] = fields["seed"]
+    if "stop" in fields:
+        out["stop"] = parse_stop(fields["stop"])
+    return out
+
+
+def parse_stop(value: Any) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP:
+        raise invalid(f"'stop' holds {len(stops)} strings; at most {MAX_STOP}", "stop")
+    return list(stops)
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    """[{"role", "content"}]; content a string or a list of text parts (joined)."""
+    if not isinstance(value, list) or not value:
+        raise invalid("'messages' is required: a non-empty list of messages", "messages")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(f"'messages[{index}]' must be an object with a string 'role'",
+                          "messages")
+        extra = sorted(set(message) - MESSAGE_FIELDS)
+        if extra:
+            raise invalid(f"'messages[{index}].{extra[0]}' is not supported", "messages",
+                          "unsupported_parameter")
+        messages.append({"role": message["role"],
+                         "content": _content(message.get("content"), index)})
+    return messages
+
+
+def _content(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(part["text"] for part in content)
+    raise invalid(f"'messages[{index}].content' must be a string or a list of text parts",
+                  "messages")
+
+
+def _include_usage(fields: dict[str, Any], stream: bool) -> bool:
+    options = fields.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("'stream_options' is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+            options.get("include_usage", False), bool):
+        raise invalid("'stream_options' supports only {\"include_usage\": <bool>}",
+                      "stream_options")
+    return bool(options.get("include_usage", False))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any, name: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or not low <= value <= high:
+        raise invalid(f"'{name}' must be a number from {low:g} to {high:g}", name)
+    return float(value)
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+def completion_id(kind: str, request_id: str) -> str:
+    """The response's id, which names the redbatch request id after its prefix."""
+    return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{request_id}"
+
+
+def usage(result: dict[str, Any]) -> dict[str, int]:
+    """From the worker's result: `prompt_tokens` (0 if it does not say) and `tokens`."""
+    prompt, completion = int(result.get("prompt_tokens") or 0), int(result.get("tokens") or 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _head(request: GenerationRequest, request_id: str, created: int,
+          chunk: bool) -> dict[str, Any]:
+    kind = request.kind
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if kind == CHAT \
+        else "text_completion"
+    return {"id": completion_id(kind, request_id), "object": obj, "created": created,
+            "model": request.model}
+
+
+def completion_response(request: GenerationRequest, request_id: str, created: int,
+                        result: dict[str, Any]) -> dict[str, Any]:
+    """The non-streamed answer: a chat.completion or a text_completion."""
+    text, reason = str(result.get("text", "")), result.get("finish_reason")
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    if request.kind == CHAT:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {**_head(request, request_id, created, False), "choices": [choice],
+            "usage": usage(result)}
+
+
+def chunk(request: GenerationRequest, request_id: str, created: int, text: str | None,
+          finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+    """One stream chunk: text (None: none, as in the final chunk) and/or finish_reason."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if request.kind == CHAT:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {**_head(request, request_id, created, True), "choices": [choice]}
+
+
+def usage_chunk(request: GenerationRequest, request_id: str, created: int,
+                result: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk with stream_options.include_usage: no choices, the usage."""
+    return {**_head(request, request_id, created, True), "choices": [],
+            "usage": usage(result)}

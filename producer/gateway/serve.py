@@ -1,0 +1,55 @@
+"""`python -m producer serve [--flag value ...]`: the gateway on uvicorn.
+
+Every setting is a flag and a REDBATCH_* variable. With `--processes N`, uvicorn starts N
+processes on the one port; the flags reach them through the environment, since each builds
+its own app (create_app reads the settings there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import uvicorn
+
+from producer.gateway.settings import GatewaySettings, GatewaySettingsError, load_gateway_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m producer serve",
+                                     description="OpenAI-compatible HTTP gateway")
+    for name, field in GatewaySettings.model_fields.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
+                            metavar="VALUE", help=field.description)
+    return parser
+
+
+def as_environment(settings: GatewaySettings) -> dict[str, str]:
+    """The settings as REDBATCH_* variables, for uvicorn's child processes."""
+    env = {}
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"REDBATCH_{name.upper()}"] = (",".join(value) if isinstance(value, list)
+                                              else str(value))
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_gateway_settings(**vars(args))
+    except GatewaySettingsError as exc:
+        print(f"producer serve: {exc}", file=sys.stderr)
+        return 2
+    if settings.processes > 1:
+        os.environ.update(as_environment(settings))
+        uvicorn.run("producer.gateway.app:create_app", factory=True, host=settings.host,
+                    port=settings.port, workers=settings.processes,
+                    log_level=settings.log_level, access_log=False)
+        return 0
+    from producer.gateway.app import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level, access_log=False)
+    return 0

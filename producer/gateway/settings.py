@@ -1,0 +1,60 @@
+"""Gateway settings: defaults < REDBATCH_* environment < flags, as for the worker."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from producer.client import DEFAULT_URL
+from producer.protocol import DEFAULT_GROUP, DEFAULT_NAMESPACE
+
+
+class GatewaySettings(BaseSettings):
+    """Everything a gateway process can be told; field names are the flag names."""
+
+    # extra="ignore": the REDBATCH_* variables of the worker may be set in the same place
+    model_config = SettingsConfigDict(env_prefix="REDBATCH_", extra="ignore")
+
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    redis_url: str = Field(DEFAULT_URL, description="the Redis the workers serve")
+    namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
+    group: str = Field(DEFAULT_GROUP, min_length=1)
+    request_timeout_s: float = Field(30.0, gt=0, description=(
+        "seconds an HTTP request waits for the workers; also each request's deadline_ms"))
+    max_backlog: int | None = Field(None, gt=0, description=(
+        "answer 429 instead of enqueueing past this many unacked requests per model"))
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
+        "comma-separated bearer keys accepted; empty: no authentication"))
+    max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get 413")
+    max_inputs: int = Field(2048, gt=0, description="most inputs in one embeddings call")
+    live_worker_idle_s: float = Field(30.0, gt=0, description=(
+        "a consumer seen within this many seconds counts as a live worker"))
+    model_cache_s: float = Field(1.0, ge=0, description=(
+        "how long a model's live-worker check is reused before Redis is asked again"))
+    processes: int = Field(1, gt=0, description="gateway processes sharing the port")
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        """A comma-separated string (env var or flag), or a list already."""
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+
+class GatewaySettingsError(Exception):
+    """A setting could not be loaded; the message is meant for the user as it is."""
+
+
+def load_gateway_settings(**overrides: Any) -> GatewaySettings:
+    """Settings from the environment, with `overrides` (the flags) on top; None = unset."""
+    try:
+        return GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        lines = [f"invalid setting '{'.'.join(map(str, e['loc']))}': {e['msg']}; "
+                 f"got {e.get('input')!r}" for e in exc.errors()]
+        raise GatewaySettingsError("\n".join(lines)) from None
