@@ -61,3 +61,44 @@ def add_arguments(group: str, max_backlog: int,
         for name, value in fields.items():
             args += (name, value)
     return args
+
+
+ADD_ONCE = BACKLOG_FUNCTION + """
+-- KEYS[1] stream, KEYS[2..n+1] the entries' request markers (<namespace>:submitted:<id>)
+-- ARGV[1] group, ARGV[2] max backlog (-1: no limit), ARGV[3] marker ttl ms, then per entry:
+-- field count, pairs. An entry whose marker exists was added before (this is a resubmission,
+-- after a short WAIT or a lost connection) and is skipped; the others are added all, or
+-- none when they would take the backlog past the limit. Marker and entry are written by
+-- this one script, so they replicate together: a new master has both or neither.
+-- Returns {1, added count} when added, {0, backlog} when refused.
+local stream, group, limit, ttl = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local fresh, i, k = {}, 4, 2
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  if redis.call('EXISTS', KEYS[k]) == 0 then
+    fresh[#fresh + 1] = {KEYS[k], {unpack(ARGV, i + 1, i + 2 * n)}}
+  end
+  i, k = i + 1 + 2 * n, k + 1
+end
+if limit >= 0 and #fresh > 0 then
+  local current = backlog(stream, group, limit + 1)
+  if current + #fresh > limit then return {0, current} end
+end
+for _, entry in ipairs(fresh) do
+  redis.call('SET', entry[1], '1', 'NX', 'PX', ttl)
+  redis.call('XADD', stream, '*', unpack(entry[2]))
+end
+return {1, #fresh}
+"""
+
+
+def submitted_key(namespace: str, request_id: str) -> str:
+    """The marker ADD_ONCE leaves for a request id, so a resubmission adds nothing."""
+    return f"{namespace}:submitted:{request_id}"
+
+
+def add_once_arguments(group: str, max_backlog: int | None, marker_ttl_ms: int,
+                       entries: list[dict[str, str | bytes | int]]) -> list[str | bytes | int]:
+    """The ARGV of ADD_ONCE for these entries' fields."""
+    args = add_arguments(group, -1 if max_backlog is None else max_backlog, entries)
+    return [*args[:2], marker_ttl_ms, *args[2:]]

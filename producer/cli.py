@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from producer import protocol
 from producer.client import DEFAULT_URL, Client, Overloaded
+from producer.connection import ConnectionSettingsError, redacted
 
 
 class InputError(Exception):
@@ -84,7 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("input", nargs="?", default="-", help="file, or - for stdin (default)")
     parser.add_argument("-o", "--output", default="-", help="results file (default stdout)")
     parser.add_argument("--model", default=os.environ.get("REDBATCH_MODEL_NAME", "minilm"))
-    parser.add_argument("--redis-url", default=os.environ.get("REDBATCH_REDIS_URL", DEFAULT_URL))
+    parser.add_argument("--redis-url", default=os.environ.get("REDBATCH_REDIS_URL", DEFAULT_URL),
+                        help="redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/"
+                        "service[/db] or rediss+sentinel://")
+    parser.add_argument("--redis-cluster", action="store_true",
+                        default=os.environ.get("REDBATCH_REDIS_CLUSTER", "") in ("1", "true"),
+                        help="--redis-url is a seed node of a Redis Cluster")
+    parser.add_argument("--replicas-to-wait", type=int,
+                        default=int(os.environ.get("REDBATCH_REPLICAS_TO_WAIT", "-1")),
+                        help="WAIT for this many replicas after each XADD, resubmitting "
+                        "(idempotently) when short; -1: 1 where the master has one; 0: off"),
     parser.add_argument("--namespace", default=protocol.DEFAULT_NAMESPACE)
     parser.add_argument("--json", action="store_true", help="send JSON instead of msgpack")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for all replies")
@@ -95,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the OpenAI-compatible HTTP gateway (producer/gateway/)
+        from producer.gateway.serve import main as serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.input == "-":
@@ -106,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"producer: cannot read input: {exc}", file=sys.stderr)
         return 2
     content_type = protocol.JSON if args.json else protocol.MSGPACK
-    client = Client(args.redis_url, args.model, namespace=args.namespace,
-                    content_type=content_type, max_backlog=args.max_backlog)
+    try:
+        client = Client(args.redis_url, args.model, namespace=args.namespace,
+                        content_type=content_type, max_backlog=args.max_backlog,
+                        cluster=args.redis_cluster, replicas_to_wait=args.replicas_to_wait)
+    except ConnectionSettingsError as exc:
+        print(f"producer: {exc}", file=sys.stderr)
+        return 2
     try:
         summary = run_requests(client, payloads, args.timeout,
                                progress=not args.no_progress and sys.stderr.isatty())
@@ -115,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"producer: overloaded: {exc}", file=sys.stderr)
         return 3
     except redis.RedisError as exc:
-        print(f"producer: Redis error at {args.redis_url}: {exc}", file=sys.stderr)
+        print(f"producer: Redis error at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
         return 2
     if args.output == "-":
         write_jsonl(summary.envelopes, sys.stdout)

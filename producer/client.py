@@ -1,7 +1,8 @@
 """The Python client: enqueue requests on a model's stream and wait for their replies.
 
-`Client` is synchronous and `AsyncClient` its asyncio twin; both speak protocol v1 with
-plain Redis commands (XADD to submit, BLPOP on the reply key to wait).
+`Client` is synchronous and `AsyncClient` (producer/async_client.py, re-exported here) its
+asyncio twin; both speak protocol v1 with plain Redis commands (XADD to submit, BLPOP on the
+reply key to wait).
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
-from producer import protocol
-from producer.backlog import ADD_IF_UNDER, add_arguments
+from producer import connection, protocol
+from producer.backlog import (
+    ADD_IF_UNDER,
+    ADD_ONCE,
+    add_arguments,
+    add_once_arguments,
+    submitted_key,
+)
 
 DEFAULT_URL = "redis://localhost:6379/0"
 PIPELINE_CHUNK = 1000
@@ -23,6 +29,12 @@ PIPELINE_CHUNK = 1000
 # defaults to 5 s and raises TimeoutError on a longer block); longer waits take several.
 MAX_BLOCK_S = 1.0
 MIN_BLOCK_S = 0.01  # BLPOP with a timeout that rounds to 0 would block forever
+# A write that a WAIT reports short of replicas, or whose connection broke, is sent again
+# this many times (ADD_ONCE makes that idempotent), waiting RESUBMIT_DELAY_S x 2^attempt.
+RESUBMITS = 6
+RESUBMIT_DELAY_S = 0.1
+RESUBMIT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+MARKER_TTL_MS = 3_600_000
 
 
 class RedbatchError(Exception):
@@ -80,7 +92,8 @@ def unwrap(envelope: dict[str, Any]) -> Any:
 
 class _Base:
     def __init__(self, model: str, namespace: str, content_type: str,
-                 max_backlog: int | None, group: str) -> None:
+                 max_backlog: int | None, group: str,
+                 replicas: connection.ReplicaCount | None = None) -> None:
         if content_type not in protocol.CONTENT_TYPES:
             raise ValueError(f"content_type must be one of {protocol.CONTENT_TYPES}")
         if max_backlog is not None and max_backlog < 1:
@@ -91,6 +104,34 @@ class _Base:
         self.stream = protocol.stream_key(namespace, model)
         self.max_backlog = max_backlog
         self.group = group
+        # WAIT after each write for this many replicas (producer/connection.py ReplicaCount)
+        self.replicas = replicas or connection.ReplicaCount(0)
+        self.short_waits = 0  # writes a WAIT reported short of replicas (each resubmitted)
+
+    def _once_call(self, ids: Sequence[str], entries: list[Any]) -> tuple[list[str], list[Any]]:
+        """(KEYS, ARGV) of ADD_ONCE: the stream and one request marker per entry."""
+        keys = [self.stream, *(submitted_key(self.namespace, i) for i in ids)]
+        return keys, add_once_arguments(self.group, self.max_backlog, MARKER_TTL_MS, entries)
+
+    def _chunks(self, payloads: Sequence[Any], reply_to: str | None, deadline_ms: int | None,
+                priority: int) -> Iterator[tuple[list[str], list[Any]]]:
+        """(ids, fields) per chunk of at most PIPELINE_CHUNK requests."""
+        for start in range(0, len(payloads), PIPELINE_CHUNK):
+            chunk = payloads[start:start + PIPELINE_CHUNK]
+            ids = [new_request_id() for _ in chunk]
+            yield ids, [self._fields(payload, request_id, reply_to, deadline_ms, priority)
+                        for payload, request_id in zip(chunk, ids, strict=True)]
+
+    def _replicated(self, result: list[Any], acked: int, wanted: int,
+                    submitted: Sequence[str]) -> bool:
+        """Whether an ADD_ONCE + WAIT is done: Overloaded if refused; a short WAIT is
+        counted and means send again."""
+        self._accepted(result, submitted)
+        if acked >= wanted:
+            return True
+        self.short_waits += 1
+        self.replicas.short()
+        return False
 
     def _add_arguments(self, entries: list[Any]) -> list[Any]:
         assert self.max_backlog is not None
@@ -99,12 +140,8 @@ class _Base:
     def _limited_chunks(self, payloads: Sequence[Any], reply_to: str | None,
                         deadline_ms: int | None, priority: int) -> Iterator[tuple[list[str], Any]]:
         """(ids, ADD_IF_UNDER arguments) per chunk: each chunk is added whole or refused."""
-        for start in range(0, len(payloads), PIPELINE_CHUNK):
-            chunk = payloads[start:start + PIPELINE_CHUNK]
-            ids = [new_request_id() for _ in chunk]
-            yield ids, self._add_arguments([
-                self._fields(payload, request_id, reply_to, deadline_ms, priority)
-                for payload, request_id in zip(chunk, ids, strict=True)])
+        for ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority):
+            yield ids, self._add_arguments(entries)
 
     def _accepted(self, result: list[Any], submitted: Sequence[str] = ()) -> None:
         """Raise Overloaded if ADD_IF_UNDER refused the entries."""
@@ -138,18 +175,27 @@ class Client(_Base):
                  namespace: str = protocol.DEFAULT_NAMESPACE,
                  content_type: str = protocol.MSGPACK,
                  redis_client: redis.Redis | None = None,
-                 max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP) -> None:
-        """`max_backlog`: refuse (Overloaded) when the group's backlog would pass it."""
-        super().__init__(model, namespace, content_type, max_backlog, group)
-        self.redis = redis_client or redis.Redis.from_url(url)
+                 max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP,
+                 cluster: bool = False, replicas_to_wait: int = connection.AUTO,
+                 replicas_wait_ms: int = 100) -> None:
+        """`max_backlog`: refuse (Overloaded) when the group's backlog would pass it.
+        `url`: any form producer/connection.py reads (Sentinel, TLS; `cluster` for a seed
+        node). `replicas_to_wait`: WAIT for that many replicas after each XADD, and send
+        again (idempotently) when it comes back short; -1: 1 while the master has one."""
+        super().__init__(model, namespace, content_type, max_backlog, group,
+                         connection.ReplicaCount(replicas_to_wait, replicas_wait_ms))
+        self.redis = redis_client or connection.sync_client(url, cluster)
         self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
+        self._add_once = self.redis.register_script(ADD_ONCE)
 
     def submit(self, payload: Any, *, request_id: str | None = None, reply_to: str | None = None,
                deadline_ms: int | None = None, priority: int = 0) -> str:
         """Enqueue one request; returns its id."""
         request_id = request_id or new_request_id()
         fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
-        if self.max_backlog is None:
+        if wanted := self.replicas.count(self.redis):
+            self._add_replicated([request_id], [fields], wanted)
+        elif self.max_backlog is None:
             self.redis.xadd(self.stream, fields)
         else:
             self._accepted(self._add_if_under(keys=[self.stream],
@@ -159,10 +205,17 @@ class Client(_Base):
     def submit_many(self, payloads: Iterable[Any], *, reply_to: str | None = None,
                     deadline_ms: int | None = None, priority: int = 0) -> list[str]:
         """Enqueue many requests in pipelined round trips; returns their ids in order."""
+        if wanted := self.replicas.count(self.redis):
+            ids: list[str] = []
+            for chunk_ids, entries in self._chunks(list(payloads), reply_to, deadline_ms,
+                                                   priority):
+                self._add_replicated(chunk_ids, entries, wanted, ids)
+                ids += chunk_ids
+            return ids
         if self.max_backlog is not None:
             return self._submit_many_under_limit(list(payloads), reply_to, deadline_ms,
                                                  priority)
-        ids: list[str] = []
+        ids = []
         pipe = self.redis.pipeline(transaction=False)
         for payload in payloads:
             ids.append(new_request_id())
@@ -172,6 +225,27 @@ class Client(_Base):
                 pipe.execute()
         pipe.execute()
         return ids
+
+    def _add_replicated(self, ids: Sequence[str], entries: list[Any], wanted: int,
+                        submitted: Sequence[str] = ()) -> None:
+        """ADD_ONCE and WAIT on one connection (a plain pipeline); sent again while the
+        WAIT comes back short or the connection breaks (a failover), RESUBMITS times at
+        most. Past that the entries are on the master, not known to be on a replica."""
+        keys, args = self._once_call(ids, entries)
+        for attempt in range(RESUBMITS + 1):
+            pipe = self.redis.pipeline(transaction=False)
+            self._add_once(keys=keys, args=args, client=pipe)
+            pipe.wait(wanted, self.replicas.timeout_ms)
+            try:
+                result, acked = pipe.execute()
+                if self._replicated(result, acked, wanted, submitted):
+                    return
+                if not (wanted := self.replicas.count(self.redis)):
+                    return  # no replica left to wait for (AUTO, after a failover)
+            except RESUBMIT_ERRORS:
+                if attempt == RESUBMITS:
+                    raise
+            time.sleep(RESUBMIT_DELAY_S * 2**attempt)
 
     def _submit_many_under_limit(self, payloads: list[Any], reply_to: str | None,
                                  deadline_ms: int | None, priority: int) -> list[str]:
@@ -221,62 +295,6 @@ class Client(_Base):
         self.redis.close()
 
 
-class AsyncClient(_Base):
-    """asyncio client with the same calls as Client."""
-
-    def __init__(self, url: str = DEFAULT_URL, model: str = "minilm", *,
-                 namespace: str = protocol.DEFAULT_NAMESPACE,
-                 content_type: str = protocol.MSGPACK,
-                 redis_client: aioredis.Redis | None = None,
-                 max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP) -> None:
-        super().__init__(model, namespace, content_type, max_backlog, group)
-        self.redis = redis_client or aioredis.Redis.from_url(url)
-        self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
-
-    async def submit(self, payload: Any, *, request_id: str | None = None,
-                     reply_to: str | None = None, deadline_ms: int | None = None,
-                     priority: int = 0) -> str:
-        request_id = request_id or new_request_id()
-        fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
-        if self.max_backlog is None:
-            await self.redis.xadd(self.stream, fields)
-        else:
-            self._accepted(await self._add_if_under(keys=[self.stream],
-                                                    args=self._add_arguments([fields])))
-        return request_id
-
-    async def submit_many(self, payloads: Sequence[Any], *, reply_to: str | None = None,
-                          deadline_ms: int | None = None, priority: int = 0) -> list[str]:
-        ids: list[str] = []
-        if self.max_backlog is not None:
-            for chunk_ids, args in self._limited_chunks(payloads, reply_to, deadline_ms,
-                                                        priority):
-                self._accepted(await self._add_if_under(keys=[self.stream], args=args), ids)
-                ids += chunk_ids
-            return ids
-        for start in range(0, len(payloads), PIPELINE_CHUNK):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for payload in payloads[start:start + PIPELINE_CHUNK]:
-                    ids.append(new_request_id())
-                    pipe.xadd(self.stream, self._fields(payload, ids[-1], reply_to,
-                                                        deadline_ms, priority))
-                await pipe.execute()
-        return ids
-
-    async def wait(self, request_id: str, timeout: float = 30.0,
-                   reply_to: str | None = None) -> dict[str, Any]:
-        key = reply_to or self.reply_key(request_id)
-        for block_s in block_slices(timeout):
-            popped: Any = await self.redis.blpop([key], timeout=block_s)
-            if popped is not None:
-                return protocol.decode_envelope(popped[1])
-        raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
-
-    async def result(self, request_id: str, timeout: float = 30.0) -> Any:
-        return unwrap(await self.wait(request_id, timeout))
-
-    async def infer(self, payload: Any, timeout: float = 30.0, **options: Any) -> Any:
-        return await self.result(await self.submit(payload, **options), timeout)
-
-    async def close(self) -> None:
-        await self.redis.aclose()
+# Re-exported, so `from producer.client import AsyncClient` keeps working. Imported last:
+# producer.async_client builds on the definitions above.
+from producer.async_client import AsyncClient as AsyncClient  # noqa: E402

@@ -17,7 +17,7 @@ def run_dead_letters(settings: Settings, limit: int, requeue: Sequence[str],
     """List the oldest `limit` dead letters; with `requeue`, put those back on the stream."""
     dead_stream = dead_letter_key(settings.namespace, settings.model_name)
     with redis_url(settings) as url:
-        client = connect(url, settings.block_ms)
+        client = connect(url, settings.block_ms, cluster=settings.redis_cluster)
         listed = list_dead_letters(client, dead_stream, limit)
         chosen = [d.id for d in listed] if requeue_all else list(requeue)
         if not chosen:

@@ -18,6 +18,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from producer.connection import ConnectionSettingsError, redacted, sync_client
 from worker.settings import Settings
 from worker.streams.queue_stats import (
     RateMeter,
@@ -63,6 +64,15 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def describe_latency(latency: dict[str, float] | None) -> str:
+    """"p99 182 of 250 ms, margin 10 ms", or "—" without a target."""
+    if not latency:
+        return "—"
+    name = f"p{latency['percentile'] * 100:g}"
+    return (f"{name} {latency['observed_ms']:.0f} of {latency['target_ms']:.0f} ms, "
+            f"margin {latency['margin_ms']:.0f} ms")
+
+
 def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
     models = Table(title=f"redbatch queues (group '{group}')", title_justify="left")
     models.add_column("model", no_wrap=True)
@@ -75,6 +85,7 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
     consumers.add_column("pending", justify="right")
     consumers.add_column("idle", justify="right")
     consumers.add_column("layout", no_wrap=True)
+    consumers.add_column("latency target", no_wrap=True)
     for stats, rate in rows:
         lag = f"≥{stats.lag}" if stats.lag_capped else str(stats.lag)
         drain = "—" if rate is None else format_duration(drain_seconds(stats.backlog, rate))
@@ -83,7 +94,8 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
                        "—" if rate is None else f"{rate:.1f}", drain)
         for consumer in stats.consumers:
             consumers.add_row(stats.model, consumer.name, str(consumer.pending),
-                              format_duration(consumer.idle_ms / 1000), consumer.layout or "—")
+                              format_duration(consumer.idle_ms / 1000), consumer.layout or "—",
+                              describe_latency(consumer.latency))
     if not rows:
         models.caption = "no request streams yet"
     return Group(models, consumers)
@@ -106,8 +118,12 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
     if not settings.redis_url:
         print("redbatch: stats needs --redis-url or REDBATCH_REDIS_URL", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10,
-                                  socket_connect_timeout=5)
+    try:
+        client = sync_client(settings.redis_url, settings.redis_cluster, socket_timeout=10,
+                             socket_connect_timeout=5)
+    except ConnectionSettingsError as exc:
+        print(f"redbatch: {exc}", file=sys.stderr)
+        return 2
     reader = StatsReader(client, settings.namespace, settings.group, models)
     try:
         reader.read()
@@ -125,7 +141,8 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
                 sleep(watch)
                 live.update(render(reader.read(), settings.group), refresh=True)
     except redis.RedisError as exc:
-        print(f"redbatch: cannot read stats from {settings.redis_url}: {exc}", file=sys.stderr)
+        print(f"redbatch: cannot read stats from {redacted(settings.redis_url)}: {exc}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0

@@ -19,15 +19,27 @@ from worker.policy.backoff import backoff_delays
 log = structlog.get_logger("redbatch.worker")
 T = TypeVar("T")
 
-TRANSIENT_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError,
-                          redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+TRANSIENT_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError,  # MasterNotFoundError too
+                          redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+                          redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
+
+
+# Error prefixes a server answers while it cannot serve for a while: full under noeviction
+# (Redis 6.2 reports it inside a script error), a demoted master or a replica during a
+# failover (READONLY, MASTERDOWN), a master refusing writes under min-replicas-to-write
+# (NOREPLICAS), a cluster without a master for some slot or mid-resharding.
+TRANSIENT_MESSAGES = ("OOM command not allowed", "READONLY", "MASTERDOWN", "NOREPLICAS",
+                      "CLUSTERDOWN", "TRYAGAIN")
 
 
 def is_transient(exc: redis.RedisError) -> bool:
-    """Worth waiting out: Redis unreachable, loading its data, full (noeviction: Redis 6.2
-    reports it inside a script error) or read-only during a failover. Anything else is a bug
-    or a misconfiguration."""
-    return isinstance(exc, TRANSIENT_REDIS_ERRORS) or "OOM command not allowed" in str(exc)
+    """Worth waiting out: Redis unreachable or timing out (a master killed mid-call; under
+    Sentinel, no master known yet), loading its data, full, or read-only or without a
+    master during a failover. Anything else is a bug or a misconfiguration."""
+    if isinstance(exc, TRANSIENT_REDIS_ERRORS):
+        return True
+    message = str(exc)
+    return any(marker in message for marker in TRANSIENT_MESSAGES)
 
 
 class ShutdownExpired(Exception):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import redis
 import structlog
 
+from producer.connection import ReplicaCount
 from worker.observe import metrics
 from worker.streams.reader import as_text, is_group_lost
 
@@ -92,7 +93,9 @@ class Replier:
     """Writes answers for one stream on behalf of one consumer."""
 
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
-                 ttl_ms: int, answered_key: str, model_name: str = "") -> None:
+                 ttl_ms: int, answered_key: str, model_name: str = "",
+                 replicas: ReplicaCount | None = None) -> None:
+        """`replicas`: WAIT for that many replicas after each write, on its connection."""
         self.client = client
         self.stream = stream
         self.answered_key = answered_key
@@ -101,6 +104,7 @@ class Replier:
         self.ttl_ms = ttl_ms
         self.model_name = model_name or stream.rpartition(":")[2]
         self._script = client.register_script(REPLY_AND_ACK)
+        self.replicas = replicas or ReplicaCount(0)
 
     def send(self, replies: Sequence[Reply]) -> list[str]:
         """Answer and ack atomically; returns the entry ids dropped as no longer ours."""
@@ -111,7 +115,7 @@ class Replier:
         for r in replies:
             args += (r.entry_id, r.envelope)
         try:
-            dropped, undeliverable = self._script(keys=keys, args=args)
+            dropped, undeliverable = self._write(keys, args)
         except redis.ResponseError as exc:
             if not is_group_lost(exc):
                 raise
@@ -121,6 +125,24 @@ class Replier:
             log.warning("replies.undeliverable", reason="reply key is not a list",
                         entry_ids=[as_text(u) for u in undeliverable])
         return [as_text(d) for d in dropped]
+
+    def _write(self, keys: list[str], args: list[str | bytes | int]) -> list[list[bytes]]:
+        """The script, then (when replicas are wanted) WAIT on the same connection: a plain
+        pipeline. A short WAIT is counted; the entries are acked on the master all the same
+        (replication is asynchronous: WAIT narrows the window of loss, it cannot close it)."""
+        wanted = self.replicas.count(self.client)
+        if not wanted:
+            result: list[list[bytes]] = self._script(keys=keys, args=args)
+            return result
+        pipe = self.client.pipeline(transaction=False)
+        self._script(keys=keys, args=args, client=pipe)
+        pipe.wait(wanted, self.replicas.timeout_ms)
+        result, acked = pipe.execute()
+        if acked < wanted:
+            metrics.REPLICATION_SHORT.labels(self.model_name).inc()
+            self.replicas.short()
+            log.debug("replies.replication_short", replicas=acked, wanted=wanted)
+        return result
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         """Ack entries that cannot be answered (no usable id, or deleted from the stream)."""

@@ -1,0 +1,117 @@
+"""The asyncio client: `AsyncClient`, with the same calls as `producer.client.Client`.
+
+Re-exported from producer.client and producer; the shared pieces (request fields, chunks,
+back-pressure and replica checks) live on `producer.client._Base`. Module constants are read
+through `base` at call time, as Client reads them, so setting one (e.g. PIPELINE_CHUNK) on
+producer.client applies to both clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+import producer.client as base
+from producer import connection, protocol
+from producer.backlog import ADD_IF_UNDER, ADD_ONCE
+
+
+class AsyncClient(base._Base):
+    """asyncio client with the same calls as Client."""
+
+    def __init__(self, url: str = base.DEFAULT_URL, model: str = "minilm", *,
+                 namespace: str = protocol.DEFAULT_NAMESPACE,
+                 content_type: str = protocol.MSGPACK,
+                 redis_client: aioredis.Redis | None = None,
+                 max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP,
+                 cluster: bool = False, replicas_to_wait: int = connection.AUTO,
+                 replicas_wait_ms: int = 100) -> None:
+        super().__init__(model, namespace, content_type, max_backlog, group,
+                         connection.ReplicaCount(replicas_to_wait, replicas_wait_ms))
+        self.redis = redis_client or connection.async_client(url, cluster)
+        self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
+        self._add_once = self.redis.register_script(ADD_ONCE)
+
+    async def _wanted(self) -> int:
+        if connection.is_cluster_client(self.redis):
+            return 0
+        if self.replicas.needs_reading():
+            self.replicas.update(await self.redis.info("replication"))
+        return self.replicas.current()
+
+    async def _add_replicated(self, ids: Sequence[str], entries: list[Any], wanted: int,
+                              submitted: Sequence[str] = ()) -> None:
+        """Client._add_replicated for asyncio."""
+        keys, args = self._once_call(ids, entries)
+        for attempt in range(base.RESUBMITS + 1):
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    await self._add_once(keys=keys, args=args, client=pipe)
+                    pipe.wait(wanted, self.replicas.timeout_ms)
+                    result, acked = await pipe.execute()
+                if self._replicated(result, acked, wanted, submitted):
+                    return
+                if not (wanted := await self._wanted()):
+                    return
+            except base.RESUBMIT_ERRORS:
+                if attempt == base.RESUBMITS:
+                    raise
+            await asyncio.sleep(base.RESUBMIT_DELAY_S * 2**attempt)
+
+    async def submit(self, payload: Any, *, request_id: str | None = None,
+                     reply_to: str | None = None, deadline_ms: int | None = None,
+                     priority: int = 0) -> str:
+        request_id = request_id or base.new_request_id()
+        fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
+        if wanted := await self._wanted():
+            await self._add_replicated([request_id], [fields], wanted)
+        elif self.max_backlog is None:
+            await self.redis.xadd(self.stream, fields)
+        else:
+            self._accepted(await self._add_if_under(keys=[self.stream],
+                                                    args=self._add_arguments([fields])))
+        return request_id
+
+    async def submit_many(self, payloads: Sequence[Any], *, reply_to: str | None = None,
+                          deadline_ms: int | None = None, priority: int = 0) -> list[str]:
+        ids: list[str] = []
+        if wanted := await self._wanted():
+            for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority):
+                await self._add_replicated(chunk_ids, entries, wanted, ids)
+                ids += chunk_ids
+            return ids
+        if self.max_backlog is not None:
+            for chunk_ids, args in self._limited_chunks(payloads, reply_to, deadline_ms,
+                                                        priority):
+                self._accepted(await self._add_if_under(keys=[self.stream], args=args), ids)
+                ids += chunk_ids
+            return ids
+        for start in range(0, len(payloads), base.PIPELINE_CHUNK):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for payload in payloads[start:start + base.PIPELINE_CHUNK]:
+                    ids.append(base.new_request_id())
+                    pipe.xadd(self.stream, self._fields(payload, ids[-1], reply_to,
+                                                        deadline_ms, priority))
+                await pipe.execute()
+        return ids
+
+    async def wait(self, request_id: str, timeout: float = 30.0,
+                   reply_to: str | None = None) -> dict[str, Any]:
+        key = reply_to or self.reply_key(request_id)
+        for block_s in base.block_slices(timeout):
+            popped: Any = await self.redis.blpop([key], timeout=block_s)
+            if popped is not None:
+                return protocol.decode_envelope(popped[1])
+        raise base.ResultTimeout(f"no reply for request {request_id} within {timeout} s")
+
+    async def result(self, request_id: str, timeout: float = 30.0) -> Any:
+        return base.unwrap(await self.wait(request_id, timeout))
+
+    async def infer(self, payload: Any, timeout: float = 30.0, **options: Any) -> Any:
+        return await self.result(await self.submit(payload, **options), timeout)
+
+    async def close(self) -> None:
+        await self.redis.aclose()

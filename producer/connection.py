@@ -1,0 +1,235 @@
+"""The one place that turns a Redis URL (and a mode) into a client, sync or asyncio.
+
+Three modes:
+
+- a single Redis: `redis://`, `rediss://` (TLS) or `unix://`, as redis-py reads them;
+- Sentinel: `redis+sentinel://[user:pass@]host:port[,host:port...]/<service>[/<db>]`
+  (`rediss+sentinel://` for TLS, to the sentinels and to the master), through redis-py's
+  `Sentinel(...).master_for(service)`: the client asks the sentinels for the master on
+  every new connection, so it follows a failover;
+- Cluster (`cluster=True`): the URL is one seed node of a Redis Cluster, through redis-py's
+  `RedisCluster`.
+
+Query arguments (`?ssl_ca_certs=...&socket_timeout=...`) are redis-py's `from_url` ones and
+apply in every mode. A URL that cannot be used raises `ConnectionSettingsError`, whose message
+is one line for the user. This module is shared by the producer and the worker, so it imports
+nothing from `worker/`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.sentinel import Sentinel
+
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
+PLAIN_SCHEMES = ("redis", "rediss", "unix")
+DEFAULT_SENTINEL_PORT = 26379
+
+
+class ConnectionSettingsError(ValueError):
+    """The Redis URL (or its mode) cannot be used; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a URL names: the mode, and what the mode needs to connect."""
+
+    mode: str  # "single", "sentinel" or "cluster"
+    url: str
+    tls: bool = False
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    options: dict[str, Any] = field(default_factory=dict)  # query args, credentials, db
+
+
+def redacted(url: str) -> str:
+    """The URL with its password replaced by ***, for messages and logs."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def parse_target(url: str, cluster: bool = False) -> Target:
+    """Read a URL into a Target; ConnectionSettingsError (one line) when it cannot be used."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in SENTINEL_SCHEMES:
+        if cluster:
+            raise ConnectionSettingsError(
+                f"Redis URL {redacted(url)}: redis_cluster takes a seed node's redis:// or "
+                "rediss:// URL, not a Sentinel one")
+        return _parse_sentinel(url, SENTINEL_SCHEMES[scheme])
+    if scheme not in PLAIN_SCHEMES or (cluster and scheme == "unix"):
+        allowed = "redis://, rediss://" if cluster else \
+            "redis://, rediss://, unix://, redis+sentinel://, rediss+sentinel://"
+        raise ConnectionSettingsError(
+            f"Redis URL {redacted(url)!r} must start with one of {allowed}")
+    try:
+        options = redis.connection.parse_url(url)
+    except ValueError as exc:
+        raise ConnectionSettingsError(f"Redis URL {redacted(url)}: {exc}") from None
+    return Target("cluster" if cluster else "single", url, scheme == "rediss", options=options)
+
+
+def _parse_sentinel(url: str, tls: bool) -> Target:
+    parts = urlsplit(url)
+    where = f"Redis URL {redacted(url)}"
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    sentinels = tuple(_host_port(h, where) for h in hosts.split(",") if h)
+    if not sentinels:
+        raise ConnectionSettingsError(f"{where}: names no sentinel (host:port[,host:port...])")
+    path = [unquote(p) for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise ConnectionSettingsError(f"{where}: the path must be /<service>[/<db>]")
+    options = _query_options(parts.query, where)
+    if len(path) == 2:
+        if not path[1].isdigit():
+            raise ConnectionSettingsError(f"{where}: database {path[1]!r} is not a number")
+        options.setdefault("db", int(path[1]))
+    if credentials:
+        user, _, password = credentials.partition(":")
+        if user:
+            options["username"] = unquote(user)
+        if password:
+            options["password"] = unquote(password)
+    return Target("sentinel", url, tls, sentinels, path[0], options)
+
+
+def _host_port(text: str, where: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    host = host.strip("[]")
+    if not host or (port and not port.isdigit()):
+        raise ConnectionSettingsError(f"{where}: bad sentinel address {text!r} (host:port)")
+    return host, int(port) if port else DEFAULT_SENTINEL_PORT
+
+
+def _query_options(query: str, where: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for name, values in parse_qs(query).items():
+        parser: Any = URL_QUERY_ARGUMENT_PARSERS.get(name)
+        try:
+            options[name] = parser(values[0]) if parser else values[0]
+        except (TypeError, ValueError):
+            raise ConnectionSettingsError(f"{where}: invalid value for {name!r}") from None
+    return options
+
+
+def _sentinel_parts(target: Target, kwargs: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                      dict[str, Any]]:
+    """(keyword arguments of each master connection, of each sentinel connection)."""
+    master = {**target.options, **kwargs}
+    if target.tls:
+        master["ssl"] = True
+    to_sentinel = {k: v for k, v in master.items()
+                   if k.startswith(("socket_", "ssl")) or k == "health_check_interval"}
+    return master, to_sentinel
+
+
+def sync_client(url: str, cluster: bool = False, **kwargs: Any) -> Any:
+    """A redis-py client for the URL in its mode; `kwargs` go to every connection (e.g.
+    socket_timeout, which must outlast any blocking command). Connects lazily."""
+    target = parse_target(url, cluster)
+    try:
+        if target.mode == "sentinel":
+            master, to_sentinel = _sentinel_parts(target, kwargs)
+            client = Sentinel(list(target.sentinels), sentinel_kwargs=to_sentinel).master_for(
+                target.service, **master)
+        elif target.mode == "cluster":  # connects to the seed node at once
+            return _cluster(url, kwargs)
+        else:
+            client = redis.Redis.from_url(url, **kwargs)
+        _check_options(client.connection_pool)
+        return client
+    except (TypeError, ValueError) as exc:  # e.g. an unknown query argument
+        raise ConnectionSettingsError(f"Redis URL {redacted(url)}: {exc}") from None
+
+
+def _cluster(url: str, kwargs: dict[str, Any]) -> redis.RedisCluster:
+    try:
+        return redis.RedisCluster.from_url(url, **kwargs)
+    except redis.exceptions.RedisClusterException as exc:  # not a RedisError: make it one
+        raise redis.ConnectionError(f"no Redis Cluster at {redacted(url)}: {exc}") from None
+
+
+def _check_options(pool: Any) -> None:
+    """Connections are made lazily: build one (it does not connect), so that a URL argument
+    the connection does not take fails here, as a settings error, not at the first call."""
+    pool.connection_class(**pool.connection_kwargs)
+
+
+def async_client(url: str, cluster: bool = False, **kwargs: Any) -> Any:
+    """The asyncio twin of sync_client."""
+    target = parse_target(url, cluster)
+    try:
+        if target.mode == "sentinel":
+            master, to_sentinel = _sentinel_parts(target, kwargs)
+            client = AsyncSentinel(list(target.sentinels), sentinel_kwargs=to_sentinel
+                                   ).master_for(target.service, **master)
+        elif target.mode == "cluster":  # connects on first use
+            return aioredis.RedisCluster.from_url(url, **kwargs)
+        else:
+            client = aioredis.Redis.from_url(url, **kwargs)
+        _check_options(client.connection_pool)
+        return client
+    except (TypeError, ValueError) as exc:
+        raise ConnectionSettingsError(f"Redis URL {redacted(url)}: {exc}") from None
+
+
+def is_cluster_client(client: Any) -> bool:
+    return isinstance(client, redis.RedisCluster | aioredis.RedisCluster)
+
+
+AUTO = -1  # replicas_to_wait: 1 when the master has a connected replica, else 0
+AUTO_REFRESH_S = 30.0
+
+
+def connected_replicas(info: dict[str, Any]) -> int:
+    """`INFO replication`'s count of replicas connected to this master (0 on a replica)."""
+    if info.get("role") != "master":
+        return 0
+    return int(info.get("connected_slaves", 0))
+
+
+class ReplicaCount:
+    """How many replicas a WAIT after each write asks for: the setting, or with AUTO one
+    while the master has a connected replica (read again every AUTO_REFRESH_S and after a
+    short WAIT, so a failover to a master without replicas stops waiting). Cluster mode
+    does not WAIT (yet): 0."""
+
+    def __init__(self, configured: int, timeout_ms: int = 100) -> None:
+        self.configured = configured
+        self.timeout_ms = timeout_ms
+        self._auto = 0
+        self._read_at = -float("inf")
+
+    def needs_reading(self) -> bool:
+        return self.configured == AUTO and time.monotonic() - self._read_at > AUTO_REFRESH_S
+
+    def update(self, info: dict[str, Any]) -> None:
+        self._auto = min(1, connected_replicas(info))
+        self._read_at = time.monotonic()
+
+    def short(self) -> None:
+        """A WAIT came back short: with AUTO, read the master's replicas again next time
+        (after a failover the new master may have none left to wait for)."""
+        self._read_at = -float("inf")
+
+    def current(self) -> int:
+        return self._auto if self.configured == AUTO else self.configured
+
+    def count(self, client: Any) -> int:
+        """The count now, reading the master's INFO when AUTO is due (sync clients)."""
+        if is_cluster_client(client):
+            return 0
+        if self.needs_reading():
+            self.update(client.info("replication"))
+        return self.current()
