@@ -1,0 +1,105 @@
+"""The request payload of a generative model, validated: each mistake is a clear
+InvalidInput (answered `invalid_request`), never a failure of the worker.
+
+    {"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}
+    max_new_tokens (int, 1..max_new_tokens_limit), temperature (>= 0; 0 = greedy),
+    top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings),
+    stream (bool, default true)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from worker.execution.sampling import MAX_STOP_STRINGS, SamplingParams
+from worker.models.base import InvalidInput
+
+SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
+        "{\"role\": <string>, \"content\": <string>})"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationInput:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    redelivered: bool = False  # read before (claimed, or our own after a restart): may resume
+
+
+def prompt_of(payload: Any) -> str | list[dict[str, str]]:
+    """The prompt string or the chat messages, checked for shape."""
+    if not isinstance(payload, dict):
+        raise InvalidInput(SHAPE)
+    if "prompt" in payload:
+        if not isinstance(payload["prompt"], str):
+            raise InvalidInput("'prompt' must be a string")
+        return payload["prompt"]
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput(SHAPE)
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise InvalidInput(f"messages[{i}] must be {{\"role\": <string>, "
+                               "\"content\": <string>}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def wants_stream(payload: Any) -> bool:
+    """`stream` (default true); also decides where an error about the payload goes."""
+    if not isinstance(payload, dict) or "stream" not in payload:
+        return True
+    return payload["stream"] is not False
+
+
+def _integer(payload: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = payload.get(name, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidInput(f"'{name}' must be an integer, got {value!r}")
+    return value
+
+
+def _number(payload: dict[str, Any], name: str, default: float) -> float:
+    value = payload.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidInput(f"'{name}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _stops(payload: dict[str, Any]) -> tuple[str, ...]:
+    stop = payload.get("stop", ())
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidInput("'stop' must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidInput(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+    return tuple(stops)
+
+
+def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
+                    default_new: int, limit_new: int) -> SamplingParams:
+    """The sampling parameters; `max_new_tokens` is cut to what the context window leaves."""
+    if prompt_len >= context:
+        raise InvalidInput(f"prompt is {prompt_len} tokens; the context window of this model "
+                           f"is {context} tokens (prompt and answer together)")
+    max_new = _integer(payload, "max_new_tokens", default_new)
+    assert max_new is not None
+    if not 1 <= max_new <= limit_new:
+        raise InvalidInput(f"'max_new_tokens' must be between 1 and {limit_new} "
+                           f"(max_new_tokens_limit), got {max_new}")
+    temperature = _number(payload, "temperature", 0.0)
+    top_p = _number(payload, "top_p", 1.0)
+    top_k = _integer(payload, "top_k", 0)
+    seed = _integer(payload, "seed", None)
+    if temperature < 0:
+        raise InvalidInput(f"'temperature' must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise InvalidInput(f"'top_p' must be in (0, 1], got {top_p}")
+    if top_k is None or top_k < 0:
+        raise InvalidInput(f"'top_k' must be an integer >= 0, got {top_k}")
+    if "stream" in payload and not isinstance(payload["stream"], bool):
+        raise InvalidInput(f"'stream' must be true or false, got {payload['stream']!r}")
+    return SamplingParams(min(max_new, context - prompt_len), temperature, top_p, top_k,
+                          seed, _stops(payload))

@@ -1,0 +1,106 @@
+"""`causal_lm`: any Hugging Face causal language model from a local path, served by
+continuous batching (pipeline/generate.py) instead of collate/forward/postprocess.
+
+model_options: `path` (a from_pretrained directory), `gguf_file` (a GGUF file in it),
+`max_new_tokens` (default per request, 128), `max_new_tokens_limit` (1024), and the
+scheduler's knobs (policy/decoding.py): `max_step_tokens` (512), `max_seqs` (16),
+`kv_cache_bytes` (256 MiB of KV cache), `max_wait_steps` (32). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from worker.execution.generation import GenerationEngine, kv_bytes_per_token
+from worker.models.base import InvalidInput, Model, Prepared
+from worker.models.generation_params import (
+    GenerationInput,
+    prompt_of,
+    sampling_params,
+    wants_stream,
+)
+from worker.policy.decoding import SchedulerLimits
+
+
+def context_window(config: Any) -> int:
+    text = config.get_text_config(decoder=True)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(text, name, None):
+            return int(getattr(text, name))
+    raise ValueError("the model's config names no context window")
+
+
+class CausalLM(Model):
+    generative = True
+    default_bucket_boundaries: Sequence[int] = ()  # one FIFO queue: the scheduler orders
+
+    def __init__(self, path: str, gguf_file: str | None = None, max_new_tokens: int = 128,
+                 max_new_tokens_limit: int = 1024, max_step_tokens: int = 512,
+                 max_seqs: int = 16, kv_cache_bytes: int = 256 << 20,
+                 max_wait_steps: int = 32) -> None:
+        if not 1 <= max_new_tokens <= max_new_tokens_limit:
+            raise ValueError("need 1 <= max_new_tokens <= max_new_tokens_limit")
+        self.path, self.gguf_file = path, gguf_file
+        self.max_new_tokens, self.max_new_tokens_limit = max_new_tokens, max_new_tokens_limit
+        self.knobs = dict(max_step_tokens=max_step_tokens, max_seqs=max_seqs,
+                          kv_budget_bytes=kv_cache_bytes, max_wait_steps=max_wait_steps)
+        SchedulerLimits(**self.knobs)  # checks them now, at start-up
+
+    def load(self, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        extra = {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, **extra)
+        lm: Any = AutoModelForCausalLM.from_pretrained(self.path, **extra)
+        self.lm = lm.to(device).eval()
+        self.device = device
+        self.context = context_window(self.lm.config)
+        eos = self.lm.generation_config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {int(e) for e in [*eos_ids, self.tokenizer.eos_token_id]
+                        if e is not None}
+
+    def engine(self) -> GenerationEngine:
+        return GenerationEngine(self.lm, self.tokenizer, self.device, self.eos_ids)
+
+    def scheduler_limits(self) -> SchedulerLimits:
+        per_token = kv_bytes_per_token(self.lm.config, self.lm.dtype)
+        return SchedulerLimits(bytes_per_token=per_token, **self.knobs)
+
+    def prepare(self, payload: Any, nbytes: int) -> Prepared:
+        prompt = prompt_of(payload)
+        ids = self._prompt_ids(prompt)
+        params = sampling_params(payload, len(ids), self.context, self.max_new_tokens,
+                                 self.max_new_tokens_limit)
+        return Prepared(len(ids), GenerationInput(ids, params, wants_stream(payload)))
+
+    def _prompt_ids(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        tokenizer = self.tokenizer
+        if isinstance(prompt, list):
+            if not getattr(tokenizer, "chat_template", None):
+                raise InvalidInput("this model has no chat template: send 'prompt'")
+            text = tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        else:
+            ids = list(tokenizer(prompt).input_ids)
+        if not ids and tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id]
+        if not ids:
+            raise InvalidInput("'prompt' is empty")
+        return ids
+
+    def answers_on_stream(self, payload: Any) -> bool:
+        return wants_stream(payload)
+
+    def collate(self, items: Sequence[Prepared]) -> Any:
+        raise NotImplementedError("a generative model is served by the generate loop")
+
+    def forward(self, batch: Any) -> Any:
+        raise NotImplementedError("a generative model is served by the generate loop")
+
+    def postprocess(self, output: Any, items: Sequence[Prepared]) -> list[Any]:
+        raise NotImplementedError("a generative model is served by the generate loop")

@@ -1,0 +1,40 @@
+"""The envelopes of a generative model's answer (docs/protocol.md, "Generative models").
+
+Streamed: chunks `{"id", "type": "delta", "index", "text", "token_ids"}` on the request's
+reply stream, then `{"id", "type": "done", "ok", "result" | "error", "meta"}` as the last
+entry, written with the XACK by the reply thread. Not streamed (`"stream": false`): one
+envelope on the list reply key, as for every other model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from producer import protocol
+from producer.protocol import Request
+from worker.pipeline.answers import Answer
+from worker.policy.flow import entry_time_ms
+
+
+def delta_envelope(request_id: str, index: int, text: str,
+                   token_ids: list[int]) -> dict[str, Any]:
+    return {"id": request_id, "type": "delta", "index": index, "text": text,
+            "token_ids": token_ids}
+
+
+def final_answer(entry_id: str, request: Request, envelope: dict[str, Any],
+                 namespace: str, stream: bool, chunks_written: int) -> Answer:
+    """The last answer of a generation: a `done` entry after the chunks on the reply
+    stream, or the envelope alone on the list reply key."""
+    if not stream:
+        return Answer(entry_id, request.reply_to, request.content_type, envelope,
+                      entry_time_ms(entry_id))
+    key = protocol.token_stream_key(namespace, request.id, request.reply_to)
+    return Answer(entry_id, key, request.content_type, {**envelope, "type": "done"},
+                  entry_time_ms(entry_id), stream_index=chunks_written + 1)
+
+
+def routed_error(answer: Answer, request: Request, namespace: str, stream: bool) -> Answer:
+    """An error answer of a generative request (bad payload, deadline passed...): on its
+    reply stream as its only entry unless it asked for `"stream": false`."""
+    return final_answer(answer.entry_id, request, answer.envelope, namespace, stream, 0)

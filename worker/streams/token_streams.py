@@ -1,0 +1,215 @@
+"""Streamed replies of generative models: one Redis stream per request.
+
+Chunk n (1, 2, ...) is written with `XADD <key> <n>-1 data <envelope>`: an explicit id, so a
+chunk written twice (a retried pipeline) is refused by Redis ("equal or smaller than the
+target stream top item") and never seen twice; that refusal counts as written. Each write
+renews `PEXPIRE result_ttl_ms`. A step's chunks and the step's cancel check (one MGET of
+the running requests' cancel keys) go in one round trip.
+
+The last entry (`type: done`) and the XACK of the request's entry are one Lua script,
+ownership-checked like streams/replier.py: written only while this consumer owns the entry.
+
+Durability (docs/protocol.md, "Generative models"): `progress` reads what a reply stream
+already holds, so a worker that took a request over continues it at the next chunk; and
+`keep_alive` claims the owner's running entries to itself (idle time back to 0, delivery
+count unchanged) more often than `claim_idle_ms`, so a live generation is never claimed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from producer import protocol
+from worker.streams.reader import as_text, is_group_lost
+
+ALREADY_WRITTEN = "equal or smaller"  # XADD's refusal of an id not above the last one
+
+FINISH_AND_ACK = """
+-- KEYS[1] request stream, KEYS[2] answered counter, KEYS[3..n+2] reply streams
+-- ARGV[1] group, ARGV[2] consumer, ARGV[3] ttl ms, then n triples: entry id, chunk id, data
+-- Returns the entry ids not answered because this consumer no longer owns them.
+-- The id is taken when the stream holds more than this worker wrote (chunks of a previous
+-- owner, before an error answer found no progress): then the done entry goes after its last
+-- entry, unless that one is a done entry already (only the ack is left).
+local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local function after_top(key)  -- the id after the last entry; nil if that one is `done`
+  local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+  if not top then return nil end
+  local data = top[2][2]
+  local ok, envelope
+  if string.sub(data or '', 1, 1) == '{' then ok, envelope = pcall(cjson.decode, data)
+  else ok, envelope = pcall(cmsgpack.unpack, data or '') end
+  if ok and type(envelope) == 'table' and envelope['type'] == 'done' then return nil end
+  return (tonumber(string.match(top[1], '^(%d+)')) + 1) .. '-1'
+end
+local dropped, acked = {}, 0
+for i = 1, #KEYS - 2 do
+  local id, key = ARGV[3 * i + 1], KEYS[i + 2]
+  local owned = redis.call('XPENDING', stream, group, id, id, 1, consumer)
+  if #owned == 1 then
+    local added = redis.pcall('XADD', key, ARGV[3 * i + 2], 'data', ARGV[3 * i + 3])
+    if type(added) == 'table' and added.err
+        and string.find(added.err, 'equal or smaller', 1, true) then
+      local next_id = after_top(key)
+      added = next_id and redis.pcall('XADD', key, next_id, 'data', ARGV[3 * i + 3]) or 'done'
+    end
+    if type(added) == 'table' and added.err then
+      -- the key is not a stream (acked all the same, or the entry would come back
+      -- forever); any other refusal (OOM) stops before the ack
+      if not string.find(added.err, 'WRONGTYPE', 1, true) then
+        return redis.error_reply(added.err)
+      end
+    else
+      redis.call('PEXPIRE', key, ttl)
+    end
+    redis.call('XACK', stream, group, id)
+    acked = acked + 1
+  else
+    dropped[#dropped + 1] = id
+  end
+end
+redis.call('INCRBY', KEYS[2], acked)
+return dropped
+"""
+
+KEEP_ALIVE = """
+-- KEYS[1] request stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids.
+-- Claims to this consumer (JUSTID: the delivery count is not raised) the ids still pending
+-- for it; returns the others (claimed by another consumer, or acked).
+local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
+local claim, lost = {'XCLAIM', stream, group, consumer, '0'}, {}
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', stream, group, ARGV[i], ARGV[i], 1, consumer) == 1 then
+    claim[#claim + 1] = ARGV[i]
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+if #claim > 5 then
+  claim[#claim + 1] = 'JUSTID'
+  redis.call(unpack(claim))
+end
+return lost
+"""
+
+
+@dataclass(slots=True)
+class Progress:
+    """What a reply stream already holds: the deltas (their last index, tokens and text)
+    and the `done` entry if there is one."""
+
+    chunks: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    done: dict[str, Any] | None = None
+    done_index: int = 0
+
+
+def progress_of(entries: Any) -> Progress:
+    """XRANGE's reply, parsed; entries that are no envelope of ours are skipped."""
+    found = Progress()
+    for entry_id, fields in entries if isinstance(entries, list) else []:
+        try:
+            index = int(as_text(entry_id).split("-")[0])
+            data = fields[b"data"]
+            envelope = protocol.decode(data, protocol.JSON if data[:1] == b"{"
+                                       else protocol.MSGPACK)
+        except (KeyError, ValueError, TypeError):
+            continue
+        if not isinstance(envelope, dict):
+            continue
+        if envelope.get("type") == "done":
+            found.done, found.done_index = envelope, index
+            break
+        if envelope.get("type") == "delta":
+            found.chunks = index
+            found.token_ids += envelope.get("token_ids") or []
+            found.text += envelope.get("text") or ""
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One entry of a reply stream: `<index>-1 data <envelope>`."""
+
+    key: str
+    index: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FinalChunk:
+    entry_id: str  # the request's entry, acked with it
+    chunk: Chunk
+
+
+class TokenStreams:
+    """Writes reply streams for one request stream on behalf of one consumer."""
+
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
+                 ttl_ms: int, answered_key: str) -> None:
+        self.client = client
+        self.stream, self.group, self.consumer = stream, group, consumer
+        self.ttl_ms = ttl_ms
+        self.answered_key = answered_key
+        self._finish = client.register_script(FINISH_AND_ACK)
+        self._keep_alive = client.register_script(KEEP_ALIVE)
+
+    def progress(self, keys: Sequence[str]) -> list[Progress]:
+        """What each reply stream holds already (one XRANGE each, one round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.xrange(key)
+        return [progress_of(entries) for entries in pipe.execute(raise_on_error=False)]
+
+    def keep_alive(self, entry_ids: Sequence[str]) -> list[str]:
+        """Claim our running entries to ourselves (one script call); returns those no longer
+        ours, whose generation should stop."""
+        if not entry_ids:
+            return []
+        try:
+            lost: list[bytes] = self._keep_alive(keys=[self.stream],
+                                                 args=[self.group, self.consumer, *entry_ids])
+        except redis.ResponseError as exc:
+            if not is_group_lost(exc):
+                raise
+            return list(entry_ids)
+        return [as_text(i) for i in lost]
+
+    def write(self, chunks: Sequence[Chunk], cancel_keys: Sequence[str] = ()) -> list[bool]:
+        """Append the chunks (one already there counts as written); returns, for each
+        cancel key, whether it is set. One round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for chunk in chunks:
+            pipe.xadd(chunk.key, {"data": chunk.data}, id=f"{chunk.index}-1")
+            pipe.pexpire(chunk.key, self.ttl_ms)
+        if cancel_keys:
+            pipe.mget(list(cancel_keys))
+        results = pipe.execute(raise_on_error=False)
+        for result in results[:2 * len(chunks)]:
+            if isinstance(result, Exception) and not (
+                    isinstance(result, redis.ResponseError) and
+                    (ALREADY_WRITTEN in str(result) or "WRONGTYPE" in str(result))):
+                raise result
+        return [value is not None for value in results[-1]] if cancel_keys else []
+
+    def finish(self, finals: Sequence[FinalChunk]) -> list[str]:
+        """The last entry of each reply stream with the XACK of its request, atomically;
+        returns the entry ids dropped as no longer ours."""
+        if not finals:
+            return []
+        keys = [self.stream, self.answered_key, *(f.chunk.key for f in finals)]
+        args: list[str | bytes | int] = [self.group, self.consumer, self.ttl_ms]
+        for final in finals:
+            args += (final.entry_id, f"{final.chunk.index}-1", final.chunk.data)
+        try:
+            dropped: list[bytes] = self._finish(keys=keys, args=args)
+        except redis.ResponseError as exc:
+            if not is_group_lost(exc):
+                raise
+            return [f.entry_id for f in finals]
+        return [as_text(d) for d in dropped]
