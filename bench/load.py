@@ -94,7 +94,14 @@ def poisson_offsets(rate: float, duration_s: float, seed: int) -> list[float]:
 def open_loop(url: str, stream: str, payloads: Sequence[bytes], rate: float,
               duration_s: float, seed: int = 0, timeout_s: float = 120.0) -> list[Timed]:
     """Send at Poisson times regardless of replies (open loop); time each request's reply."""
-    offsets = poisson_offsets(rate, duration_s, seed)
+    return open_loop_at(url, stream, payloads, poisson_offsets(rate, duration_s, seed),
+                        timeout_s)
+
+
+def open_loop_at(url: str, stream: str, payloads: Sequence[bytes], offsets: Sequence[float],
+                 timeout_s: float = 120.0) -> list[Timed]:
+    """Send at the given offsets (seconds from now) regardless of replies; time each reply."""
+    duration_s = offsets[-1] if offsets else 0.0
     reply_to = f"{stream}:bench-open-loop"
     sent: dict[str, float] = {}
     timed: list[Timed] = []

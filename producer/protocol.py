@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
     TOO_LARGE = "too_large"
     DEAD_LETTER = "dead_letter"
+    OVERLOADED = "overloaded"  # predicted to miss the latency target: retry after retry_after_ms
 
 
 def stream_key(namespace: str, model: str) -> str:
@@ -52,6 +53,19 @@ def answered_key(namespace: str, model: str) -> str:
 def workers_key(namespace: str, model: str) -> str:
     """A hash of the model's workers: consumer name -> JSON of its layout and device."""
     return f"{namespace}:workers:{model}"
+
+
+def token_stream_key(namespace: str, request_id: str, reply_to: str | None = None) -> str:
+    """Where a generative model streams its answer: `reply_to` when the request named one
+    (a `reply_to` equal to the default list key counts as none), else a stream of its own."""
+    if reply_to and reply_to != reply_key(namespace, request_id):
+        return reply_to
+    return f"{namespace}:stream:{request_id}"
+
+
+def cancel_key(namespace: str, request_id: str) -> str:
+    """`SET <key> 1 PX <ms>` cancels a generation between two decoding steps."""
+    return f"{namespace}:cancel:{request_id}"
 
 
 # --- payload and envelope codecs -------------------------------------------------------------
@@ -107,8 +121,11 @@ def success_envelope(request_id: str, result: Any, meta: dict[str, Any]) -> dict
     return {"id": request_id, "ok": True, "result": result, "meta": meta}
 
 
-def error_envelope(request_id: str, code: ErrorCode | str, message: str) -> dict[str, Any]:
-    return {"id": request_id, "ok": False, "error": {"code": str(code), "message": message}}
+def error_envelope(request_id: str, code: ErrorCode | str, message: str,
+                   **details: Any) -> dict[str, Any]:
+    """`details`: extra fields of the error, e.g. retry_after_ms for `overloaded`."""
+    return {"id": request_id, "ok": False,
+            "error": {"code": str(code), "message": message, **details}}
 
 
 # --- stream entries ---------------------------------------------------------------------------

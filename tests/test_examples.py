@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import npm_installed
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TEXTS = ["plain words", 'quotes " and \\ backslash', "tab\there, ünïcode"]
 
@@ -44,18 +46,8 @@ def test_redis_cli_example(redis_url: str, worker_factory: Any) -> None:
 @pytest.fixture(scope="session")
 def node_client() -> Path:
     """examples/node with its packages installed (`npm ci` from the committed lock file)."""
-    if not (shutil.which("node") and shutil.which("npm")):
-        pytest.skip("node and npm are not installed")
     folder = EXAMPLES / "node"
-    if not (folder / "node_modules").is_dir():
-        try:
-            done = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=folder,
-                                  capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            pytest.skip("npm ci timed out: is the npm registry reachable?")
-        if done.returncode != 0:
-            pytest.skip(f"npm ci failed (registry unreachable?): {done.stderr[-300:]}")
-    return folder
+    return npm_installed(folder, folder / "node_modules")
 
 
 @pytest.mark.parametrize("content_type", ["application/msgpack", "application/json"])

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 import structlog
 import torch
 
-from producer import protocol
+from producer import connection, protocol
 from worker.execution.calibration import (
     CalibrationError,
     calibration_path,
@@ -29,10 +30,15 @@ from worker.execution.executor import Executor, resolve_device
 from worker.execution.memory import memory_probe
 from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
+from worker.models.generative import CausalLM
+from worker.pipeline.generate import GenerationParts
 from worker.pipeline.worker import Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
+from worker.policy.decoding import DecodingScheduler
 from worker.policy.governor import Governor, policy_from_settings
+from worker.policy.latency import LatencyPolicy
 from worker.policy.layout import Layout, choose_layout
+from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetters
 from worker.streams.maintenance import Maintenance
@@ -40,6 +46,7 @@ from worker.streams.reader import StreamReader
 from worker.streams.reclaimer import Reclaimer
 from worker.streams.replier import Replier
 from worker.streams.server import RedisServer
+from worker.streams.token_streams import TokenStreams
 
 log = structlog.get_logger("redbatch")
 UNMEASURED_MERGE_TOKENS = 32  # a small encoder's on CPU, until warm-up measures the model's
@@ -49,18 +56,25 @@ class StartupError(Exception):
     """The worker cannot start; the message says why, for the user."""
 
 
-def connect(url: str, block_ms: int, attempts: int = 3) -> redis.Redis:
-    """A client whose socket timeout outlasts the blocking read; fails clearly if unreachable."""
-    client = redis.Redis.from_url(url, socket_timeout=block_ms / 1000 + 10,
-                                  socket_connect_timeout=5, health_check_interval=30,
-                                  socket_read_size=1 << 20)
+def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False) -> redis.Redis:
+    """A client (single, Sentinel or Cluster: producer/connection.py) whose socket timeout
+    outlasts the blocking read; fails clearly if the URL is bad or Redis unreachable."""
+    try:
+        client: redis.Redis = connection.sync_client(
+            url, cluster, socket_timeout=block_ms / 1000 + 10, socket_connect_timeout=5,
+            health_check_interval=30, socket_read_size=1 << 20)
+    except connection.ConnectionSettingsError as exc:
+        raise StartupError(str(exc)) from None
+    except redis.RedisError as exc:  # a cluster client connects at once
+        raise StartupError(f"cannot reach Redis at {connection.redacted(url)}: {exc}") from None
     for attempt in range(attempts):
         try:
             client.ping()
             return client
         except redis.RedisError as exc:
             if attempt == attempts - 1:
-                raise StartupError(f"cannot reach Redis at {url}: {exc}") from None
+                raise StartupError(f"cannot reach Redis at {connection.redacted(url)}: "
+                                   f"{exc}") from None
             time.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
 
@@ -121,23 +135,58 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     the Worker. `calibrated`: the best batch size per bucket boundary, from `python -m
     worker calibrate`; it lowers max_batch_size for that bucket."""
     layout = resolve_layout(settings, model, executor.device)
-    name = settings.model_name
-    stream = protocol.stream_key(settings.namespace, name)
-    group, consumer = settings.group, settings.consumer
-    reclaimer = Reclaimer(client, stream, group, consumer, settings.claim_idle_ms, name)
     boundaries = settings.bucket_boundaries
     if boundaries is None:
         boundaries = list(model.default_bucket_boundaries)
     limits = BatchLimits(settings.max_batch_size, settings.max_batch_tokens,
                          settings.max_wait_ms / 1000)
     governor = build_governor(settings, limits, boundaries, calibrated or {})
+    targeted = TargetedDispatch(LatencyPolicy(
+        settings.latency_target_ms or float("inf"), settings.latency_percentile,
+        len(boundaries) + 1, layout.instances, settings.shed_over_target))
     lock = threading.Lock()  # the worker's one lock: batcher, governor, in-flight state
     memory = memory_probe(executor.device, settings.memory_limit_bytes)
     executors = [executor] + [executor.another() for _ in range(layout.instances - 1)]
     parts = Parts(
+        **redis_parts(settings, client, describe_worker(settings, layout, executor.device,
+                                                          targeted, lock)),
+        batcher=Batcher(boundaries, limits, caps=governor.limits,
+                        targeted=targeted if settings.latency_target_ms else None),
+        governor=governor,
+        runners=[BatchRunner(e, governor, memory, settings.model_name, governing=lock)
+                 for e in executors],
+        layout=layout, targeted=targeted,
+        generation=generation_parts(settings, model, client) if model.generative else None)
+    worker = Worker(settings, model, parts, lock)
+    worker.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
+                            else settings.merge_tokens)
+    return worker
+
+
+def generation_parts(settings: Settings, model: Model,
+                     client: redis.Redis) -> GenerationParts:
+    """A generative model's engine, scheduler and reply streams (models/generative.py)."""
+    assert isinstance(model, CausalLM), "generative models derive from CausalLM"
+    stream = protocol.stream_key(settings.namespace, settings.model_name)
+    return GenerationParts(
+        model.engine(), DecodingScheduler(model.scheduler_limits()),
+        TokenStreams(client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
+                     protocol.answered_key(settings.namespace, settings.model_name)))
+
+
+def redis_parts(settings: Settings, client: redis.Redis,
+                describe: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
+    """The parts that talk to Redis (streams/), each on the model's request stream."""
+    name = settings.model_name
+    stream = protocol.stream_key(settings.namespace, name)
+    group, consumer = settings.group, settings.consumer
+    reclaimer = Reclaimer(client, stream, group, consumer, settings.claim_idle_ms, name)
+    return dict(
         reader=StreamReader(client, stream, group, consumer),
         replier=Replier(client, stream, group, consumer, settings.result_ttl_ms,
-                        protocol.answered_key(settings.namespace, name)),
+                        protocol.answered_key(settings.namespace, name),
+                        replicas=connection.ReplicaCount(settings.replicas_to_wait,
+                                                         settings.replicas_wait_ms)),
         reclaimer=reclaimer,
         dead_letters=DeadLetters(
             client, stream, group, consumer, namespace=settings.namespace, model_name=name,
@@ -145,22 +194,28 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
             max_payload_bytes=settings.max_payload_bytes),
         maintenance=Maintenance(client, stream, group, name, reclaimer,
                                 settings.maintenance_interval_s, settings.consumer_idle_ms,
-                                describe_worker(settings, layout, executor.device),
-                                protocol.workers_key(settings.namespace, name)),
-        batcher=Batcher(boundaries, limits, caps=governor.limits),
-        governor=governor,
-        runners=[BatchRunner(e, governor, memory, name, governing=lock) for e in executors],
-        layout=layout)
-    worker = Worker(settings, model, parts, lock)
-    worker.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
-                            else settings.merge_tokens)
-    return worker
+                                describe, protocol.workers_key(settings.namespace, name)))
 
 
-def describe_worker(settings: Settings, layout: Layout, device: torch.device) -> dict[str, str]:
-    """What `stats` shows of this worker: its layout and why, and its device."""
-    return {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
-            "model": settings.model}
+def describe_worker(settings: Settings, layout: Layout, device: torch.device,
+                    targeted: TargetedDispatch,
+                    lock: threading.Lock) -> Callable[[], dict[str, Any]]:
+    """What `stats` shows of this worker: its layout and why, its device, and with a
+    latency target the observed percentile and the margin (read under the worker's lock)."""
+    static = {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
+              "model": settings.model}
+    policy = targeted.policy
+    if not settings.latency_target_ms:
+        return lambda: static
+
+    def describe() -> dict[str, Any]:
+        with lock:
+            observed, margin = policy.margin.observed.value(0.0), policy.margin.ms
+        return {**static, "latency": {"target_ms": policy.target_ms, "observed_ms": observed,
+                                      "percentile": settings.latency_percentile,
+                                      "margin_ms": margin}}
+
+    return describe
 
 
 def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence[int],
@@ -172,6 +227,9 @@ def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence
 
 def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     """Load the model, assemble the worker, and warm it up."""
+    if settings.redis_cluster:  # its scripts' keys span slots: sharding (issue 14 D) first
+        raise StartupError("the worker cannot serve a Redis Cluster yet (its keys are not "
+                           "hash-tagged); redis_cluster works for the producer and stats only")
     model, device = load_model(settings)
     worker = assemble_worker(settings, model, Executor(model, device), client,
                              calibrated=load_batch_sizes(settings, device))

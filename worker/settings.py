@@ -28,7 +28,14 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="REDBATCH_", extra="forbid")
 
-    redis_url: str | None = Field(None, description="Redis to serve; none starts an embedded one")
+    redis_url: str | None = Field(None, description=(
+        "Redis to serve: redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/service"
+        "[/db] or rediss+sentinel://; none starts an embedded one"))
+    redis_cluster: bool = Field(False, description="redis_url is a seed node of a Redis Cluster")
+    replicas_to_wait: int = Field(-1, ge=-1, description=(
+        "WAIT for this many replicas after each reply + ack; -1: 1 while the master has a "
+        "connected replica, else 0; 0 disables"))
+    replicas_wait_ms: int = Field(100, gt=0, description="WAIT timeout after each write")
     namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
     group: str = Field(DEFAULT_GROUP, min_length=1)
     consumer: str = Field(default_factory=default_consumer_name, min_length=1)
@@ -49,7 +56,15 @@ class Settings(BaseSettings):
 
     max_batch_size: int = Field(32, gt=0)
     max_batch_tokens: int = Field(8192, gt=0, description="cap on n x longest per batch")
-    max_wait_ms: float = Field(5.0, ge=0)
+    max_wait_ms: float = Field(5.0, ge=0, description="how long a batch may wait to fill "
+                               "(static batching: unused when latency_target_ms is set)")
+    latency_target_ms: float | None = Field(None, gt=0, description=(
+        "end-to-end target from XADD to reply, at latency_percentile: batches leave as late "
+        "as the target allows and only while waiting raises throughput; none: static batching"))
+    latency_percentile: float = Field(0.99, gt=0, lt=1, description="the percentile the "
+                                      "target holds (0.99: p99)")
+    shed_over_target: bool = Field(False, description="refuse at read time, with `overloaded` "
+                                   "and retry_after_ms, a request predicted to miss the target")
     bucket_boundaries: list[int] | None = Field(None, description="None: the model's default")
     merge_tokens: int | None = Field(None, ge=0, description=(
         "an unfilled batch absorbs another bucket when that adds at most this many padded "

@@ -41,6 +41,9 @@ class Model(ABC):
     #: collate, forward and postprocess may run on several threads at once (no per-batch
     #: state in `self`): `instances = "auto"` then runs one instance per CPU core
     concurrent_forward: bool = False
+    #: a generative model (models/generative.py): served token by token by the generate
+    #: loop (pipeline/generate.py), not by collate/forward/postprocess
+    generative: bool = False
 
     @abstractmethod
     def load(self, device: torch.device) -> None:
@@ -65,6 +68,11 @@ class Model(ABC):
     @abstractmethod
     def postprocess(self, output: Any, items: Sequence[Prepared]) -> list[Any]:
         """One serialisable result per item, in order (on CUDA, `output` is already on the host)."""
+
+    def answers_on_stream(self, payload: Any) -> bool:
+        """A generative model: whether an error about this payload (None: undecodable) goes
+        to the request's reply stream rather than its list reply key."""
+        return False
 
     def sample(self, length: int) -> Prepared | None:
         """A synthetic input of about `length` for warm-up and calibration; None: no warm-up."""

@@ -88,7 +88,29 @@ REDELIVERIES = Counter("redbatch_redeliveries", "Entries read that had been deli
                        ["model"])
 DEAD_LETTERS = Counter("redbatch_dead_letters", "Entries moved to the dead-letter stream",
                        ["model"])
+REPLICATION_SHORT = Counter("redbatch_replication_short",
+                            "Reply writes a WAIT reported short of replicas_to_wait", ["model"])
 
+
+# The latency-target policy (policy/latency.py): why each batch left, and what it believed.
+DISPATCHES = Counter("redbatch_dispatches", "Batches sent, by the reason they left",
+                     ["model", "reason"])
+DISPATCH_SLACK = Histogram("redbatch_dispatch_slack_seconds",
+                           "Time in hand at dispatch: deadline less margin less predicted end",
+                           ["model"], buckets=(-1, -.1, -.01, 0, .005, .01, .025, .05, .1, .25,
+                                               .5, 1, 2.5))
+REFUSED = Counter("redbatch_refused", "Requests answered at read time: predicted too late",
+                  ["model", "code"])
+LATENCY_TARGET = Gauge("redbatch_latency_target_seconds", "The end-to-end latency target",
+                       ["model"], multiprocess_mode="max")
+LATENCY_OBSERVED = Gauge("redbatch_latency_observed_seconds",
+                         "End-to-end latency at the target percentile, recent window",
+                         ["model"], multiprocess_mode="max")
+LATENCY_MARGIN = Gauge("redbatch_latency_margin_seconds", "The safety margin below deadlines",
+                       ["model"], multiprocess_mode="max")
+SERVICE_COST = Gauge("redbatch_service_cost_seconds",
+                     "Fitted batch cost: fixed per batch, and per padded token",
+                     ["model", "term"], multiprocess_mode="max")
 
 def observe_all(histogram: Any, values: Sequence[float]) -> None:
     """Observe many values of one labelled histogram at once, as observe() would each.

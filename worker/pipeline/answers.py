@@ -13,6 +13,7 @@ from producer.protocol import ErrorCode, Request
 from worker.execution.runner import TooLarge
 from worker.policy.batching import Batch, Pending
 from worker.policy.flow import entry_time_ms
+from worker.policy.latency import Admission
 
 MAX_REPLIES_PER_CALL = 1024
 
@@ -26,15 +27,30 @@ class Answer:
     content_type: str
     envelope: dict[str, Any]
     enqueued_ms: int  # the XADD time, read from the entry id once per request
+    stream_index: int = 0  # above 0: the `done` entry <index>-1 of a reply stream (generative)
 
     @property
     def status(self) -> str:
         return "ok" if self.envelope["ok"] else self.envelope["error"]["code"]
 
 
-def error_answer(entry_id: str, request: Request, code: ErrorCode, message: str) -> Answer:
+def error_answer(entry_id: str, request: Request, code: ErrorCode, message: str,
+                 **details: Any) -> Answer:
     return Answer(entry_id, request.reply_to, request.content_type,
-                  protocol.error_envelope(request.id, code, message), entry_time_ms(entry_id))
+                  protocol.error_envelope(request.id, code, message, **details),
+                  entry_time_ms(entry_id))
+
+
+def refused_answer(pending: Pending, admission: Admission) -> Answer:
+    """A request answered at read time: it is predicted to miss its deadline (or, when
+    shedding, the latency target)."""
+    predicted = f"predicted to finish in {admission.predicted_ms:.0f} ms"
+    if admission.code == ErrorCode.OVERLOADED:
+        return error_answer(pending.entry_id, pending.request, ErrorCode.OVERLOADED,
+                            f"over the latency target: {predicted}",
+                            retry_after_ms=admission.retry_after_ms)
+    return error_answer(pending.entry_id, pending.request, ErrorCode.DEADLINE_EXCEEDED,
+                        f"cannot meet its deadline: {predicted}")
 
 
 def expired_answers(expired: Sequence[Pending]) -> list[Answer]:

@@ -26,6 +26,7 @@ from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import Grace
 from worker.policy.batching import Batch, Batcher
 from worker.policy.flow import entry_time_ms, queue_waits_ms, yields_to_idle
+from worker.policy.latency import LatencyPolicy
 
 log = structlog.get_logger("redbatch.worker")
 IDLE_POLL_S = 0.5  # an idle instance re-checks for the end of reading this often
@@ -39,13 +40,17 @@ class ComputeConfig:
 
 class ComputeLoop:
     def __init__(self, config: ComputeConfig, runner: BatchRunner, batcher: Batcher,
-                 inflight: InFlight, answers: AnswerQueue, grace: Grace) -> None:
+                 inflight: InFlight, answers: AnswerQueue, grace: Grace,
+                 latency: LatencyPolicy, instance: int = 0) -> None:
+        """`latency`: told when each batch starts and ends (busy-until, service times)."""
         self.config = config
         self.runner = runner
         self.batcher = batcher
         self.inflight = inflight
         self.answers = answers
         self.grace = grace
+        self.latency = latency
+        self.instance = instance
 
     def run(self) -> None:
         """Double buffering: batch N+1 is staged (collated, copied) while batch N computes."""
@@ -62,6 +67,7 @@ class ComputeLoop:
                 self.answers.put(self.complete(running))
             if upcoming is not None:
                 runner.launch(upcoming)
+                self._started(upcoming.batch)
             running = upcoming
 
     def next_batch(self, block: bool = True) -> Batch | None:
@@ -74,13 +80,15 @@ class ComputeLoop:
             while self.grace.left() > 0:
                 if yields_to_idle(block, inflight.idle):
                     return None
-                batch = self.batcher.next_batch(time.monotonic(), int(time.time() * 1000),
-                                                inflight.should_flush())
+                now_ms = int(time.time() * 1000)
+                start_in_ms = 0.0 if block else self.latency.start_in_ms(self.instance, now_ms)
+                batch = self.batcher.next_batch(time.monotonic(), now_ms,
+                                                inflight.should_flush(), start_in_ms)
                 if batch is not None or not block:
                     return batch
                 if not inflight.reading:
                     return None
-                until_ready = self.batcher.seconds_until_ready(time.monotonic())
+                until_ready = self.batcher.seconds_until_ready(time.monotonic(), now_ms)
                 inflight.idle += 1
                 try:
                     inflight.work.wait(IDLE_POLL_S if until_ready is None else until_ready)
@@ -102,11 +110,30 @@ class ComputeLoop:
         enqueued_ms = [entry_time_ms(p.entry_id) for p in batch.members]
         queue_ms = queue_waits_ms(running.started_ms, enqueued_ms)
         record_batch(self.config.model_name, batch, running.compute_s, queue_ms)
+        self._finished(batch, running.compute_s)
         meta = {"model": self.config.model_name, "batch_size": len(batch.members),
                 "compute_ms": round(running.compute_s * 1000, 3),
                 "worker": self.config.consumer, "bucket": batch.bucket,
                 "padded_length": batch.longest}
         return answers + result_answers(batch, results, meta, enqueued_ms, queue_ms)
+
+
+    def _started(self, batch: Batch) -> None:
+        if batch.members:
+            with self.inflight.lock:
+                self.latency.started(self.instance, batch.bucket, len(batch.members),
+                                     batch.longest, time.time() * 1000)
+
+    def _finished(self, batch: Batch, compute_s: float) -> None:
+        """The measured time refits the service-time model; its costs are exported."""
+        with self.inflight.lock:
+            self.latency.finished(self.instance, batch.bucket, len(batch.members),
+                                  batch.longest, compute_s * 1000, time.time() * 1000)
+            fit = self.latency.model.fit(batch.bucket)
+            fixed, per_token = fit.fixed, fit.per_token
+        name = self.config.model_name
+        metrics.SERVICE_COST.labels(name, "fixed").set(fixed / 1000)
+        metrics.SERVICE_COST.labels(name, "per_token").set(per_token / 1000)
 
 
 def record_batch(model_name: str, batch: Batch, compute_s: float,
@@ -120,6 +147,10 @@ def record_batch(model_name: str, batch: Batch, compute_s: float,
     metrics.PADDED_TOKENS_TOTAL.labels(model_name).inc(padded)
     metrics.COMPUTE_TIME.labels(model_name).observe(compute_s)
     metrics.observe_all(metrics.QUEUE_WAIT.labels(model_name), [ms / 1000 for ms in queue_ms])
+    metrics.DISPATCHES.labels(model_name, batch.reason).inc()
+    if batch.slack_ms is not None:
+        metrics.DISPATCH_SLACK.labels(model_name).observe(batch.slack_ms / 1000)
     log.debug("batch.done", bucket=batch.bucket, size=len(batch.members), longest=batch.longest,
               padding_efficiency=round(real / padded, 3) if padded else 1.0,
-              compute_ms=round(compute_s * 1000, 2))
+              compute_ms=round(compute_s * 1000, 2), reason=batch.reason,
+              slack_ms=None if batch.slack_ms is None else round(batch.slack_ms, 1))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import structlog
 
@@ -19,11 +20,13 @@ from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry, Request
 from worker.models.base import Model
 from worker.observe import metrics
-from worker.pipeline.answers import Answer, AnswerQueue, error_answer
+from worker.pipeline.answers import Answer, AnswerQueue, error_answer, refused_answer
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import RedisRetry
+from worker.pipeline.token_answers import routed_error
 from worker.policy.batching import Batcher, Pending
 from worker.policy.flow import claims_first, entry_time_ms, is_past_deadline
+from worker.policy.targeted import TargetedDispatch
 from worker.streams.dead_letters import DeadLetters
 from worker.streams.reader import Entry, StreamReader
 from worker.streams.reclaimer import Reclaimer
@@ -53,7 +56,8 @@ class Intake:
     def __init__(self, config: IntakeConfig, model: Model, reader: StreamReader,
                  reclaimer: Reclaimer, dead_letters: DeadLetters, replier: Replier,
                  batcher: Batcher, inflight: InFlight, answers: AnswerQueue,
-                 retry: RedisRetry) -> None:
+                 retry: RedisRetry, targeted: TargetedDispatch) -> None:
+        """`targeted`: predicts, at read time, whether a request can still be served in time."""
         self.config = config
         self.model = model
         self.reader = reader
@@ -64,6 +68,7 @@ class Intake:
         self.inflight = inflight
         self.answers = answers
         self.retry = retry
+        self.targeted = targeted
 
     def run(self, stopping: threading.Event) -> None:
         """Read until stopping; then tell the compute loops nothing more will come."""
@@ -89,14 +94,26 @@ class Intake:
         admission = self.classify(entries, time.monotonic(), int(time.time() * 1000))
         if admission.unanswerable:
             self.retry(self.replier.ack, admission.unanswerable)
+        now_ms = int(time.time() * 1000)
         with self.inflight.lock:
             self.inflight.held.update(p.entry_id for p in admission.good)
             self.inflight.held.update(a.entry_id for a in admission.bad)
             for pending in admission.good:
-                self.batcher.add(pending)
+                self._queue_or_refuse(pending, now_ms, admission.bad)
             self.inflight.work.notify_all()
         if admission.bad:
             self.answers.put(admission.bad)
+
+    def _queue_or_refuse(self, pending: Pending, now_ms: int, refused: list[Answer]) -> None:
+        """With the lock held: queue the request, unless it is predicted to miss its
+        deadline (or the target, when shedding): then it is answered now, not after a wait."""
+        if self.targeted.checks(pending):
+            decision = self.targeted.admit(self.batcher, pending, now_ms)
+            if not decision.admit:
+                metrics.REFUSED.labels(self.config.model_name, decision.code).inc()
+                refused.append(refused_answer(pending, decision))
+                return
+        self.batcher.add(pending)
 
     def classify(self, entries: Sequence[Entry], now: float, now_ms: int) -> Admission:
         admission = Admission()
@@ -113,6 +130,8 @@ class Intake:
                 continue
             prepared = self.prepare(entry.id, request, now, now_ms)
             if isinstance(prepared, Pending):
+                if entry.redelivered and self.model.generative:  # it may have begun
+                    prepared.item.data = replace(prepared.item.data, redelivered=True)
                 admission.good.append(prepared)
             else:
                 admission.bad.append(prepared)
@@ -133,7 +152,16 @@ class Intake:
 
     def prepare(self, entry_id: str, request: Request, now: float,
                 now_ms: int) -> Pending | Answer:
-        """Decode and tokenise one request, or the error answer that replaces it."""
+        """Decode and tokenise one request, or the error answer that replaces it (for a
+        generative model, on the request's reply stream unless it asked for none)."""
+        prepared = self._prepare(entry_id, request, now, now_ms)
+        if isinstance(prepared, Answer) and self.model.generative:
+            return routed_error(prepared, request, self.config.namespace,
+                                self.model.answers_on_stream(_decoded(request)))
+        return prepared
+
+    def _prepare(self, entry_id: str, request: Request, now: float,
+                 now_ms: int) -> Pending | Answer:
         if is_past_deadline(request.deadline_ms, now_ms):
             return error_answer(entry_id, request, ErrorCode.DEADLINE_EXCEEDED,
                                 "deadline passed before the request was read")
@@ -147,3 +175,11 @@ class Intake:
             return error_answer(entry_id, request, ErrorCode.MODEL_ERROR,
                                 f"preprocessing failed: {type(exc).__name__}: {exc}")
         return Pending(entry_id, request, item, now)
+
+
+def _decoded(request: Request) -> Any:
+    """The payload, or None when it cannot be decoded (only for routing an error)."""
+    try:
+        return protocol.decode(request.payload, request.content_type)
+    except ValueError:
+        return None

@@ -19,19 +19,27 @@ from worker.pipeline.answers import Answer, AnswerQueue
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import RedisRetry
 from worker.policy.flow import end_to_end_s
+from worker.policy.latency import LatencyPolicy
 from worker.streams.replier import Replier, Reply
+from worker.streams.token_streams import Chunk, FinalChunk, TokenStreams
 
 log = structlog.get_logger("redbatch.worker")
 
 
 class ReplyWriter:
     def __init__(self, model_name: str, replier: Replier, inflight: InFlight,
-                 answers: AnswerQueue, retry: RedisRetry) -> None:
+                 answers: AnswerQueue, retry: RedisRetry,
+                 latency: LatencyPolicy | None = None,
+                 streams: TokenStreams | None = None) -> None:
+        """`latency`: with a latency target, told each answer's end-to-end time.
+        `streams`: a generative model's reply streams, for answers with a stream_index."""
         self.model_name = model_name
         self.replier = replier
         self.inflight = inflight
         self.answers = answers
         self.retry = retry
+        self.latency = latency
+        self.streams = streams
 
     def run(self) -> None:
         """Write until the answer queue is closed."""
@@ -40,7 +48,13 @@ class ReplyWriter:
 
     def write(self, answers: list[Answer]) -> None:
         replies = [encode(answer) for answer in answers]
-        dropped = set(self.retry(self.replier.send, replies))
+        pairs = list(zip(answers, replies, strict=True))
+        dropped = set(self.retry(self.replier.send, [r for a, r in pairs if not a.stream_index]))
+        finals = [FinalChunk(r.entry_id, Chunk(r.reply_key, a.stream_index, r.envelope))
+                  for a, r in pairs if a.stream_index]
+        if finals:
+            assert self.streams is not None
+            dropped.update(self.retry(self.streams.finish, finals))
         if dropped:
             metrics.DROPPED_REPLIES.labels(self.model_name).inc(len(dropped))
             log.warning("replies.dropped_not_owner", count=len(dropped))
@@ -49,10 +63,25 @@ class ReplyWriter:
         answered = [a for a in answers if a.entry_id not in dropped]
         for status, count in Counter(a.status for a in answered).items():
             metrics.REQUESTS.labels(self.model_name, status).inc(count)  # labels() takes a lock
-        metrics.observe_all(metrics.END_TO_END.labels(self.model_name),
-                            end_to_end_s(written_ms, [a.enqueued_ms for a in answered]))
+        latencies_s = end_to_end_s(written_ms, [a.enqueued_ms for a in answered])
+        metrics.observe_all(metrics.END_TO_END.labels(self.model_name), latencies_s)
+        if self.latency is not None:
+            self._observe_latency(written_ms, answered, latencies_s)
         # dropped ones are freed too: they are no longer ours
         self.inflight.release(a.entry_id for a in answers)
+
+    def _observe_latency(self, written_ms: float, answered: list[Answer],
+                         latencies_s: list[float]) -> None:
+        """Served answers steer the safety margin (refusals are not latencies)."""
+        assert self.latency is not None
+        served = [s * 1000 for a, s in zip(answered, latencies_s, strict=True)
+                  if a.envelope["ok"]]
+        with self.inflight.lock:
+            self.latency.answered(written_ms, served)
+            observed = self.latency.margin.observed.value(0.0)
+            margin = self.latency.margin.ms
+        metrics.LATENCY_OBSERVED.labels(self.model_name).set(observed / 1000)
+        metrics.LATENCY_MARGIN.labels(self.model_name).set(margin / 1000)
 
 
 def encode(answer: Answer) -> Reply:

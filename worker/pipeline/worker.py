@@ -25,6 +25,7 @@ from worker.models.base import Model
 from worker.observe import metrics
 from worker.pipeline.answers import AnswerQueue
 from worker.pipeline.compute import ComputeConfig, ComputeLoop
+from worker.pipeline.generate import GenerateConfig, GenerateLoop, GenerationParts
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.intake import Intake, IntakeConfig
 from worker.pipeline.reply import ReplyWriter
@@ -33,6 +34,7 @@ from worker.policy.batching import Batcher
 from worker.policy.flow import FlowPolicy
 from worker.policy.governor import Governor
 from worker.policy.layout import Layout
+from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetters
 from worker.streams.maintenance import Maintenance
@@ -56,6 +58,8 @@ class Parts:
     governor: Governor
     runners: list[BatchRunner]  # one per model instance, sharing `lock` for the governor
     layout: Layout  # the instances and threads the runners were built for
+    targeted: TargetedDispatch  # latency predictions; the batcher dispatches by it if targeted
+    generation: GenerationParts | None = None  # a generative model: the generate loop's parts
 
 
 class Worker:
@@ -80,11 +84,24 @@ class Worker:
             IntakeConfig(self.name, settings.namespace, settings.max_payload_bytes,
                          settings.block_ms),
             model, parts.reader, parts.reclaimer, parts.dead_letters, parts.replier,
-            parts.batcher, self.inflight, answers, self.retry)
+            parts.batcher, self.inflight, answers, self.retry, parts.targeted)
         config = ComputeConfig(self.name, settings.consumer)
-        self.computes = [ComputeLoop(config, runner, parts.batcher, self.inflight, answers,
-                                     self.grace) for runner in parts.runners]
-        self.reply = ReplyWriter(self.name, parts.replier, self.inflight, answers, self.retry)
+        latency = parts.targeted.policy
+        self.computes: list[ComputeLoop | GenerateLoop] = [
+            ComputeLoop(config, runner, parts.batcher, self.inflight, answers, self.grace,
+                        latency, instance) for instance, runner in enumerate(parts.runners)]
+        if parts.generation is not None:  # continuous batching replaces the compute loops
+            self.computes = [self._generate_loop(parts.generation, parts.batcher)]
+        self.reply = ReplyWriter(self.name, parts.replier, self.inflight, answers, self.retry,
+                                 latency if settings.latency_target_ms else None,
+                                 parts.generation.streams if parts.generation else None)
+
+    def _generate_loop(self, generation: GenerationParts, batcher: Batcher) -> GenerateLoop:
+        config = GenerateConfig(self.name, self.settings.consumer, self.settings.namespace,
+                                keepalive_s=self.settings.claim_idle_ms / 3000)
+        return GenerateLoop(config, generation.engine, generation.scheduler, batcher,
+                            self.inflight, self.answers, self.grace, generation.streams,
+                            self.retry)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -97,11 +114,13 @@ class Worker:
         self._thread("redbatch-maintenance", self.maintenance.run, self.stopping)
         instances = [self._thread(f"redbatch-compute-{index}", self._compute_thread, compute)
                      for index, compute in enumerate(self.computes[1:], start=1)]
+        if self.settings.latency_target_ms:
+            metrics.LATENCY_TARGET.labels(self.name).set(self.settings.latency_target_ms / 1000)
         self.ready.set()
         log.info("worker.serving", stream=self.reader.stream, group=self.settings.group,
                  consumer=self.settings.consumer, buckets=self.batcher.boundaries,
                  instances=len(self.runners), threads=self.layout.threads,
-                 layout=self.layout.reason)
+                 layout=self.layout.reason, latency_target_ms=self.settings.latency_target_ms)
         try:
             self._compute_thread(self.computes[0])  # the first instance computes here
         finally:
@@ -149,7 +168,7 @@ class Worker:
         except Exception:
             self._fail("reader")
 
-    def _compute_thread(self, compute: ComputeLoop) -> None:
+    def _compute_thread(self, compute: ComputeLoop | GenerateLoop) -> None:
         """One model instance's loop; a bug in it stops the worker with a failure status."""
         try:
             compute.run()

@@ -13,9 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from worker.policy.flow import entry_time_ms
+
 if TYPE_CHECKING:  # types only: policy imports nothing that does I/O (or torch)
     from producer.protocol import Request
     from worker.models.base import Prepared
+    from worker.policy.targeted import TargetedDispatch
 
 
 @dataclass(slots=True)
@@ -27,6 +30,7 @@ class Pending:
     item: Prepared
     read_at: float  # monotonic seconds: max_wait_ms counts from here
     seq: int = 0  # arrival order, set by the Batcher
+    enqueued_ms: int = 0  # the XADD time (Unix ms, from the entry id), set by the Batcher
 
 
 @dataclass(slots=True)
@@ -34,6 +38,8 @@ class Batch:
     bucket: int
     members: list[Pending]
     expired: list[Pending] = field(default_factory=list)
+    reason: str = "timer"  # why it left: full, token_cap, deadline, wait_paid_off, timer
+    slack_ms: float | None = None  # with a latency target: time in hand at dispatch
 
     @property
     def longest(self) -> int:
@@ -165,11 +171,13 @@ class Batcher:
 
     def __init__(self, boundaries: Sequence[int], limits: BatchLimits,
                  caps: Callable[[int], BatchLimits] | None = None,
-                 merge_tokens: int = 0) -> None:
+                 merge_tokens: int = 0, targeted: TargetedDispatch | None = None) -> None:
+        """`targeted`: dispatch to hold a latency target (targeted.py) instead of max_wait."""
         self.boundaries = list(boundaries)
         self.limits = limits
         self.caps = caps
         self.merge_tokens = merge_tokens
+        self.targeted = targeted
         self.buckets = [Bucket() for _ in range(len(self.boundaries) + 1)]
         self._seq = 0
         self._size = 0
@@ -181,9 +189,12 @@ class Batcher:
         """Queue a prepared request; returns its bucket index."""
         self._seq += 1
         pending.seq = self._seq
+        pending.enqueued_ms = entry_time_ms(pending.entry_id)
         index = bucket_of(pending.item.length, self.boundaries)
         self.buckets[index].add(pending)
         self._size += 1
+        if self.targeted is not None:
+            self.targeted.policy.arrived(index, pending.enqueued_ms)
         return index
 
     def limits_of(self, index: int) -> BatchLimits:
@@ -195,23 +206,33 @@ class Batcher:
             flush or bucket.is_full(self.limits_of(index))
             or now - bucket.oldest_read_at() >= self.limits.max_wait_s)
 
-    def next_batch(self, now: float, now_ms: int, flush: bool = False) -> Batch | None:
+    def next_batch(self, now: float, now_ms: int, flush: bool = False,
+                   start_in_ms: float = 0.0) -> Batch | None:
         """The batch to run now, or None if no bucket is ready.
 
         `flush` dispatches without waiting (nothing more can arrive: the in-flight cap is
         reached, or the worker is shutting down). Members past their deadline are moved to
         `expired`, to be answered without compute; a batch may then have no members.
+        `start_in_ms`: how long until the asking instance is free (latency target only).
         """
+        if self.targeted is not None:
+            return self.targeted.next_batch(self, now_ms, flush, start_in_ms)
         ready = [(b.oldest_read_at(), i) for i, b in enumerate(self.buckets)
                  if self._is_ready(i, now, flush)]
         if not ready:
             return None
         _, index = min(ready)
         limits = self.limits_of(index)
+        reason = "full" if self.buckets[index].is_full(limits) else "flush" if flush else "timer"
         taken = self.buckets[index].take(limits)
         taken += self._absorb(index, taken, limits)
+        return self.emit(index, taken, now_ms, reason)
+
+    def emit(self, index: int, taken: list[Pending], now_ms: int, reason: str = "timer",
+             slack_ms: float | None = None) -> Batch:
+        """The batch of what was taken from the buckets, its expired members set apart."""
         self._size -= len(taken)
-        batch = Batch(index, [])
+        batch = Batch(index, [], reason=reason, slack_ms=slack_ms)
         for pending in taken:
             deadline = pending.request.deadline_ms
             alive = deadline is None or deadline > now_ms
@@ -238,7 +259,10 @@ class Batcher:
             size += len(absorbed)
             extra += absorbed
 
-    def seconds_until_ready(self, now: float) -> float | None:
-        """How long until some bucket's oldest request reaches max_wait; None when empty."""
+    def seconds_until_ready(self, now: float, now_ms: int = 0) -> float | None:
+        """How long until some bucket's oldest request reaches max_wait (with a latency
+        target: until some bucket must leave); None when empty."""
+        if self.targeted is not None:
+            return self.targeted.seconds_until_ready(self, now_ms)
         waits = [b.oldest_read_at() + self.limits.max_wait_s - now for b in self.buckets if b.items]
         return max(0.0, min(waits)) if waits else None

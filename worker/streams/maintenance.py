@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
@@ -61,9 +61,9 @@ ANNOUNCE_TTL_INTERVALS = 10  # the workers hash outlives the last worker by this
 class Maintenance:
     def __init__(self, client: redis.Redis, stream: str, group: str, model_name: str,
                  reclaimer: Reclaimer, interval_s: float, consumer_idle_ms: int,
-                 description: Mapping[str, str] | None = None,
+                 describe: Callable[[], Mapping[str, Any]] | None = None,
                  workers_key: str | None = None) -> None:
-        """`description`: what `stats` shows of this worker, kept under `workers_key`."""
+        """`describe`: what `stats` shows of this worker, kept under `workers_key`."""
         self.client = client
         self.stream = stream
         self.group = group
@@ -71,7 +71,7 @@ class Maintenance:
         self.reclaimer = reclaimer
         self.interval_s = interval_s
         self.consumer_idle_ms = consumer_idle_ms
-        self.description = json.dumps(dict(description or {}))
+        self.describe = describe or dict
         self.workers_key = workers_key
         self._trim = client.register_script(TRIM_ACKED)
         self._backlog = client.register_script(BACKLOG)
@@ -96,7 +96,7 @@ class Maintenance:
         if self.workers_key is None:
             return
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.workers_key, self.reclaimer.consumer, self.description)
+        pipe.hset(self.workers_key, self.reclaimer.consumer, json.dumps(dict(self.describe())))
         if gone:
             pipe.hdel(self.workers_key, *gone)
         pipe.pexpire(self.workers_key,

@@ -27,6 +27,7 @@ class ConsumerStats:
     pending: int
     idle_ms: int
     layout: str | None = None  # "2 instance(s) x 1 thread(s)", as the worker announced it
+    latency: dict[str, float] | None = None  # target_ms, observed_ms, percentile, margin_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,21 +83,27 @@ def read_stream_stats(client: redis.Redis, namespace: str, model: str,
     if lag is None:  # Redis 6.2, or 7 after deletions it cannot account for
         lag = count_undelivered(client, stream, group, info["pending"])
         capped = lag >= LAG_COUNT_CAP
-    layouts = {as_text(name): layout_of(text) for name, text in workers.items()}
-    consumers = [ConsumerStats(as_text(c["name"]), c["pending"], c["idle"],
-                               layouts.get(as_text(c["name"])))
+    announced = {as_text(name): announcement(text) for name, text in workers.items()}
+    consumers = [consumer_stats(c, announced.get(as_text(c["name"]), {}))
                  for c in client.xinfo_consumers(stream, group)]
     return StreamStats(model, length, lag, info["pending"], int(answered or 0), dead,
                        consumers, capped)
 
 
-def layout_of(announced: bytes | str) -> str | None:
-    """The layout a worker announced (streams/maintenance.py), or None if unreadable."""
+def announcement(text: bytes | str) -> dict[str, Any]:
+    """What a worker announced of itself (streams/maintenance.py); {} if unreadable."""
     try:
-        layout = json.loads(announced).get("layout")
-    except (ValueError, AttributeError):
-        return None
-    return layout if isinstance(layout, str) else None
+        announced = json.loads(text)
+    except ValueError:
+        return {}
+    return announced if isinstance(announced, dict) else {}
+
+
+def consumer_stats(info: dict[str, Any], announced: dict[str, Any]) -> ConsumerStats:
+    layout, latency = announced.get("layout"), announced.get("latency")
+    return ConsumerStats(as_text(info["name"]), info["pending"], info["idle"],
+                         layout if isinstance(layout, str) else None,
+                         latency if isinstance(latency, dict) else None)
 
 
 def _groups(client: redis.Redis, stream: str) -> list[dict[str, Any]]:

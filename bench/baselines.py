@@ -1,0 +1,210 @@
+"""Batching policies for the simulator (bench/simulate.py), all on the same arrivals:
+redbatch's latency target, static settings, and the known adaptive schemes.
+
+1. static (max_wait_ms, max_batch_size), the best chosen in hindsight from a sweep;
+2. AIMD on the batch size, Clipper-style: +step while the p99 batch latency is under the
+   target, x0.9 when over;
+3. a step controller: batch cap ±2 on the windowed p99 against 1.2 × and 0.7 × target;
+4. the dynamic timeout wait = max(10 ms, 2 × the average latency);
+5. BentoML's CorkDispatcher rule: latency = a·n + b fitted over recent batches; wait while
+   n·(age of the newest + a) ≤ 0.95 × the mean wait; refuse when age of the oldest + a·n + b
+   ≥ the target.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import replace
+
+from bench.simulate import EPOCH_MS
+from worker.policy.batching import Batch, Batcher, BatchLimits, Pending
+from worker.policy.latency import LatencyPolicy
+from worker.policy.service_time import WindowQuantile
+from worker.policy.targeted import TargetedDispatch
+
+MAX_TOKENS = 1 << 30  # the simulated device has no token cap
+
+
+def unix_ms(now_ms: float) -> int:
+    return int(EPOCH_MS + now_ms)
+
+
+class StaticDispatcher:
+    """Today's batching: full, or the oldest has waited max_wait_ms."""
+
+    name = "static"
+
+    def __init__(self, boundaries: Sequence[int], max_wait_ms: float, max_batch_size: int) -> None:
+        self.batcher = Batcher(boundaries, BatchLimits(max_batch_size, MAX_TOKENS,
+                                                       max_wait_ms / 1000))
+        self.label = f"static wait {max_wait_ms:g} ms, batch {max_batch_size}"
+
+    def add(self, pending: Pending, now_ms: float) -> str | None:
+        self.batcher.add(pending)
+        return None
+
+    def next_batch(self, now_ms: float, instance: int, busy: bool) -> Batch | None:
+        return self.batcher.next_batch(now_ms / 1000, unix_ms(now_ms))
+
+    def wake_in_ms(self, now_ms: float) -> float | None:
+        wait = self.batcher.seconds_until_ready(now_ms / 1000, unix_ms(now_ms))
+        return None if wait is None else wait * 1000
+
+    def started(self, instance: int, batch: Batch, now_ms: float) -> None:
+        pass
+
+    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
+                 latencies_ms: list[float]) -> None:
+        pass
+
+    def set_limits(self, **changes: float) -> None:
+        self.batcher.limits = replace(self.batcher.limits, **changes)  # type: ignore[arg-type]
+
+
+class TargetDispatcher(StaticDispatcher):
+    """redbatch with `latency_target_ms`: the worker's own policy objects."""
+
+    name = "redbatch"
+
+    def __init__(self, boundaries: Sequence[int], target_ms: float, max_batch_size: int,
+                 percentile: float = 0.99, instances: int = 1, shed: bool = False) -> None:
+        super().__init__(boundaries, 0.0, max_batch_size)
+        self.policy = LatencyPolicy(target_ms, percentile, len(boundaries) + 1, instances, shed)
+        self.targeted = TargetedDispatch(self.policy)
+        self.batcher.targeted = self.targeted
+        self.label = f"redbatch target {target_ms:g} ms"
+
+    def add(self, pending: Pending, now_ms: float) -> str | None:
+        if self.targeted.checks(pending):
+            admission = self.targeted.admit(self.batcher, pending, unix_ms(now_ms))
+            if not admission.admit:
+                return admission.code
+        self.batcher.add(pending)
+        return None
+
+    def started(self, instance: int, batch: Batch, now_ms: float) -> None:
+        self.policy.started(instance, batch.bucket, len(batch.members), batch.longest,
+                            unix_ms(now_ms))
+
+    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
+                 latencies_ms: list[float]) -> None:
+        self.policy.finished(instance, batch.bucket, len(batch.members), batch.longest,
+                             service_ms, unix_ms(now_ms))
+        self.policy.answered(unix_ms(now_ms), latencies_ms)
+
+
+class AimdDispatcher(StaticDispatcher):
+    """Clipper: additive increase of the batch cap while batches are fast, ×0.9 when not."""
+
+    name = "aimd"
+
+    def __init__(self, boundaries: Sequence[int], target_ms: float, max_batch_size: int,
+                 step: int = 2) -> None:
+        super().__init__(boundaries, 0.0, 1)
+        self.target_ms, self.step, self.ceiling = target_ms, step, max_batch_size
+        self.cap = 1.0
+        self.batch_p99 = WindowQuantile(0.99, 50)
+        self.label = "AIMD batch size (Clipper)"
+
+    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
+                 latencies_ms: list[float]) -> None:
+        self.batch_p99.add(service_ms)
+        over = self.batch_p99.value(0.0) > self.target_ms
+        self.cap = max(1.0, self.cap * 0.9) if over else min(self.ceiling, self.cap + self.step)
+        self.set_limits(max_batch_size=int(self.cap))
+
+
+class StepDispatcher(StaticDispatcher):
+    """Batch cap ±2 on the windowed p99 of end-to-end latency against 1.2 T and 0.7 T."""
+
+    name = "step"
+
+    def __init__(self, boundaries: Sequence[int], target_ms: float, max_batch_size: int) -> None:
+        super().__init__(boundaries, 0.0, max_batch_size // 2)
+        self.target_ms, self.ceiling = target_ms, max_batch_size
+        self.p99 = WindowQuantile(0.99, 500)
+        self.label = "step controller (±2)"
+
+    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
+                 latencies_ms: list[float]) -> None:
+        for latency in latencies_ms:
+            self.p99.add(latency)
+        observed, cap = self.p99.value(0.0), self.batcher.limits.max_batch_size
+        if observed > 1.2 * self.target_ms:
+            cap = max(1, cap - 2)
+        elif observed < 0.7 * self.target_ms:
+            cap = min(self.ceiling, cap + 2)
+        self.set_limits(max_batch_size=cap)
+
+
+class DynamicTimeoutDispatcher(StaticDispatcher):
+    """wait = max(10 ms, 2 × the average end-to-end latency)."""
+
+    name = "dynamic_timeout"
+
+    def __init__(self, boundaries: Sequence[int], max_batch_size: int) -> None:
+        super().__init__(boundaries, 10.0, max_batch_size)
+        self.recent: deque[float] = deque(maxlen=500)
+        self.label = "dynamic timeout max(10 ms, 2 x mean)"
+
+    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
+                 latencies_ms: list[float]) -> None:
+        self.recent.extend(latencies_ms)
+        mean = sum(self.recent) / len(self.recent) if self.recent else 0.0
+        self.set_limits(max_wait_s=max(10.0, 2 * mean) / 1000)
+
+
+class CorkDispatcher(StaticDispatcher):
+    """BentoML's CorkDispatcher on one FIFO queue (it has no length buckets)."""
+
+    name = "bentoml_cork"
+
+    def __init__(self, target_ms: float, max_batch_size: int, history: int = 50) -> None:
+        super().__init__([], 0.0, max_batch_size)
+        self.target_ms, self.max_batch_size = target_ms, max_batch_size
+        self.queue: deque[tuple[float, Pending]] = deque()
+        self.batches: deque[tuple[int, float]] = deque(maxlen=history)
+        self.per_item, self.fixed, self.mean_wait = 0.0, 0.0, 0.0
+        self.label = "BentoML CorkDispatcher"
+
+    def add(self, pending: Pending, now_ms: float) -> str | None:
+        self.queue.append((now_ms, pending))
+        return None
+
+    def next_batch(self, now_ms: float, instance: int, busy: bool) -> Batch | None:
+        refused: list[Pending] = []
+        while len(self.queue) > 1 and (now_ms - self.queue[0][0] + self.per_item * len(self.queue)
+                                       + self.fixed) >= self.target_ms:
+            refused.append(self.queue.popleft()[1])  # late: refused, the oldest first
+        if not self.queue:
+            return Batch(0, [], refused) if refused else None
+        n = min(len(self.queue), self.max_batch_size)
+        newest_age = now_ms - self.queue[-1][0]
+        if n < self.max_batch_size and n * (newest_age + self.per_item) <= 0.95 * self.mean_wait:
+            return Batch(0, [], refused) if refused else None  # waiting pays, by its rule
+        oldest_age = now_ms - self.queue[0][0]
+        self.mean_wait = 0.9 * self.mean_wait + 0.1 * oldest_age
+        members = [self.queue.popleft()[1] for _ in range(n)]
+        return Batch(0, members, refused)
+
+    def wake_in_ms(self, now_ms: float) -> float | None:
+        return 1.0 if self.queue else None  # BentoML polls on a short tick
+
+    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
+                 latencies_ms: list[float]) -> None:
+        self.batches.append((len(batch.members), service_ms))
+        if len(self.batches) >= 2:
+            self.per_item, self.fixed = least_squares(self.batches)
+
+
+def least_squares(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Slope and intercept of latency = a·n + b."""
+    count = len(points)
+    mean_n = sum(n for n, _ in points) / count
+    mean_t = sum(t for _, t in points) / count
+    spread = sum((n - mean_n) ** 2 for n, _ in points)
+    if spread == 0:
+        return 0.0, mean_t
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
+    return max(0.0, slope), max(0.0, mean_t - slope * mean_n)

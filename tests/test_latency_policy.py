@@ -1,0 +1,176 @@
+"""The latency-target policy on its own: the service-time fit, the dispatch and wait
+decisions, the safety margin and fail-fast admission. Construct, feed, call, assert."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.policy.latency import ArrivalRate, LatencyPolicy, Member, SafetyMargin
+from worker.policy.service_time import CostFit, ServiceTimeModel, WindowQuantile
+
+NOW = 1_700_000_000_000
+
+
+def test_recursive_least_squares_recovers_the_fixed_and_per_token_costs() -> None:
+    fit, rng = CostFit(forgetting=0.99), random.Random(0)
+    for _ in range(300):
+        tokens = rng.randint(16, 4096)
+        fit.update(tokens, 10.0 + 0.2 * tokens)
+    assert fit.fixed == pytest.approx(10.0, abs=0.5)
+    assert fit.per_token == pytest.approx(0.2, rel=0.01)
+
+
+def test_forgetting_follows_a_device_that_slows_down() -> None:
+    fit = CostFit(forgetting=0.9)
+    for tokens in [100, 2000] * 50:
+        fit.update(tokens, 10.0 + 0.2 * tokens)
+    for tokens in [100, 2000] * 50:
+        fit.update(tokens, 1.5 * (10.0 + 0.2 * tokens))
+    assert fit.predict(1000) == pytest.approx(1.5 * 210.0, rel=0.02)
+
+
+def test_the_prediction_covers_the_percentile_not_the_mean() -> None:
+    model, rng = ServiceTimeModel(buckets=1, percentile=0.9), random.Random(1)
+    for _ in range(600):
+        model.observe(0, 8, 16, (10.0 + 0.1 * 128) * rng.uniform(0.8, 1.2))
+    assert model.mean_ms(0, 8, 16) == pytest.approx(22.8, rel=0.1)
+    assert model.predict_ms(0, 8, 16) == pytest.approx(22.8 * 1.16, rel=0.06)
+
+
+def test_a_bucket_uses_the_overall_fit_until_it_has_its_own() -> None:
+    model = ServiceTimeModel(buckets=2, percentile=0.5)
+    for _ in range(10):
+        model.observe(0, 4, 10, 50.0)
+    assert model.fit(1) is model.overall
+    assert model.fit(0) is model.fits[0]
+
+
+def test_window_quantile_is_nearest_rank_over_the_window() -> None:
+    quantile = WindowQuantile(0.99, size=100)
+    for value in range(1000):
+        quantile.add(float(value))
+    assert quantile.value(0.0) == 999.0 and len(quantile.values) == 100
+
+
+def trained(target_ms: float = 100.0, fixed: float = 10.0, per_token: float = 1.0,
+            instances: int = 1, shed: bool = False) -> LatencyPolicy:
+    policy = LatencyPolicy(target_ms, 0.99, buckets=1, instances=instances,
+                           shed_over_target=shed)
+    for size in [1, 4, 16, 32] * 10:
+        policy.model.observe(0, size, 1, fixed + per_token * size)
+    return policy
+
+
+def members(count: int, enqueued: int = NOW, deadline: int | None = None) -> list[Member]:
+    return [Member(enqueued, deadline, 1) for _ in range(count)]
+
+
+def test_a_full_batch_leaves_at_once() -> None:
+    decision = trained().decide(0, members(32), "full", NOW)
+    assert (decision.ready, decision.size, decision.reason) == (True, 32, "full")
+    assert decision.slack_ms == pytest.approx(100 - 42, abs=2)
+
+
+def test_a_token_capped_batch_says_so() -> None:
+    assert trained().decide(0, members(8), "token_cap", NOW).reason == "token_cap"
+
+
+def test_the_batch_shrinks_to_what_still_meets_its_deadlines() -> None:
+    """60 ms of the 100 ms target are gone: 32 would end at 102 ms, 20 at 90."""
+    decision = trained().decide(0, members(32, enqueued=NOW - 60), None, NOW)
+    assert decision.ready and decision.reason == "deadline"
+    assert 20 <= decision.size <= 30
+
+
+def test_a_batch_that_is_late_anyway_goes_whole() -> None:
+    decision = trained().decide(0, members(10, enqueued=NOW - 500), None, NOW)
+    assert decision.ready and decision.size == 10 and decision.slack_ms < 0
+
+
+def test_it_waits_only_while_the_next_arrival_raises_throughput() -> None:
+    busy, quiet = trained(), trained()
+    for t in range(0, 3000):  # an arrival every ms: sooner than 10 ms fixed / 2 members
+        busy.arrived(0, NOW - 3000 + t)
+    waiting = busy.decide(0, members(2), None, NOW)
+    assert not waiting.ready and waiting.reason == "waiting" and 0 < waiting.wait_ms < 100
+    quiet.arrived(0, NOW - 100)  # one arrival: the next is not worth waiting for
+    sent = quiet.decide(0, members(2), None, NOW)
+    assert sent.ready and sent.reason == "wait_paid_off"
+
+
+def test_no_wait_when_the_slack_would_run_out() -> None:
+    policy = trained()
+    for t in range(0, 3000):
+        policy.arrived(0, NOW - 3000 + t)
+    decision = policy.decide(0, members(4, enqueued=NOW - 85), None, NOW)
+    assert decision.ready
+
+
+def test_a_busy_instance_counts_its_remaining_time() -> None:
+    free, busy = trained(), trained()
+    assert free.decide(0, members(32, enqueued=NOW - 40), None, NOW).size == 32
+    assert busy.decide(0, members(32, enqueued=NOW - 40), None, NOW, start_in_ms=30).size < 32
+
+
+def test_the_margin_rises_fast_over_the_target_and_falls_slowly_under_it() -> None:
+    margin = SafetyMargin(target_ms=100.0, percentile=0.99)
+    margin.observe(NOW, [150.0] * 100)
+    assert margin.ms == pytest.approx(10.0)
+    margin.observe(NOW + 100, [150.0])
+    assert margin.ms == pytest.approx(10.0)  # at most one step per update period
+    margin.observe(NOW + 300, [150.0])
+    assert margin.ms == pytest.approx(20.0)
+    margin.observed = WindowQuantile(0.99, 100)
+    margin.observe(NOW + 600, [90.0] * 100)  # under the target, not well under: kept
+    assert margin.ms == pytest.approx(20.0)
+    margin.observed = WindowQuantile(0.99, 100)
+    margin.observe(NOW + 900, [40.0] * 100)
+    assert margin.ms == pytest.approx(19.0)
+
+
+def test_the_margin_is_capped() -> None:
+    margin = SafetyMargin(target_ms=100.0, percentile=0.5)
+    for step in range(20):
+        margin.observe(NOW + 300 * step, [500.0])
+    assert margin.ms == pytest.approx(60.0)
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once() -> None:
+    policy = trained()
+    refused = policy.admit(Member(NOW, NOW + 15, 1), 0, NOW, queued_ms=40.0)
+    assert not refused.admit and refused.code == "deadline_exceeded"
+    assert policy.admit(Member(NOW, NOW + 80, 1), 0, NOW, queued_ms=40.0).admit
+
+
+def test_shedding_refuses_what_would_miss_the_target_with_a_retry_time() -> None:
+    shedding, keeping = trained(shed=True), trained()
+    refused = shedding.admit(Member(NOW, None, 1), 0, NOW, queued_ms=200.0)
+    assert not refused.admit and refused.code == "overloaded"
+    assert refused.retry_after_ms == 201
+    assert keeping.admit(Member(NOW, None, 1), 0, NOW, queued_ms=200.0).admit
+
+
+def test_several_instances_share_the_queue_ahead() -> None:
+    one, two = trained(shed=True), trained(shed=True, instances=2)
+    request = Member(NOW, None, 1)
+    assert not one.admit(request, 0, NOW, queued_ms=150.0).admit
+    assert two.admit(request, 0, NOW, queued_ms=150.0).admit
+
+
+def test_busy_until_is_kept_per_instance() -> None:
+    policy = trained(instances=2)
+    policy.started(0, 0, 32, 1, NOW)
+    assert policy.start_in_ms(0, NOW) == pytest.approx(42, abs=2)
+    assert policy.start_in_ms(1, NOW) == 0
+    policy.finished(0, 0, 32, 1, 40.0, NOW + 40)
+    assert policy.start_in_ms(0, NOW + 40) == 0
+
+
+def test_the_arrival_rate_decays_without_arrivals() -> None:
+    rate = ArrivalRate(half_life_ms=1000)
+    for t in range(0, 10_000, 10):
+        rate.add(NOW + t)
+    assert rate.per_ms(NOW + 10_000) == pytest.approx(0.1, rel=0.1)
+    assert rate.per_ms(NOW + 12_000) == pytest.approx(0.025, rel=0.15)

@@ -1,0 +1,210 @@
+"""Batching that holds a latency target: when to send a bucket's batch, how big, and whom
+to refuse at once.
+
+Each request's deadline is min(its deadline_ms, its XADD time + target). A bucket sends the
+largest batch whose predicted completion (service_time.py, at the target percentile) meets
+the earliest deadline among its members, less a safety margin. It waits only while waiting
+raises throughput (the next arrival is expected sooner than the batch's fixed cost per
+member: rate × fixed > n) and the slack stays positive. The margin follows the observed
+percentile of end-to-end latency: up fast when over the target, down slowly when well
+under. A request predicted to miss its own deadline is answered at once; with
+`shed_over_target`, so is one predicted to miss the target.
+
+Pure: times in Unix milliseconds are passed in; the worker and the simulator both drive it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from worker.policy.service_time import ServiceTimeModel, WindowQuantile
+
+MARGIN_UP = 0.10  # of the target, per update while the observed percentile is over it
+MARGIN_DOWN = 0.01  # of the target, per update while it is under MARGIN_CALM x the target
+MARGIN_CALM = 0.8
+MARGIN_MAX = 0.6  # of the target: beyond this the target itself is out of reach
+MARGIN_UPDATE_MS = 250.0
+LATENCY_WINDOW = 1000  # answers in the observed percentile's window
+RATE_HALF_LIFE_MS = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """What the policy needs of a queued request."""
+
+    enqueued_ms: int
+    deadline_ms: int | None
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ready: bool
+    size: int  # how many of the candidates to send
+    reason: str  # full, token_cap, deadline, wait_paid_off, timer, waiting
+    slack_ms: float  # deadline less margin less predicted completion, for the batch sent
+    wait_ms: float | None = None  # not ready: decide again after this long
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    admit: bool
+    code: str = ""  # deadline_exceeded or overloaded
+    predicted_ms: float = 0.0  # the predicted completion's delay from now
+    retry_after_ms: int = 0
+
+
+class ArrivalRate:
+    """Arrivals per ms, an exponentially decaying count (pure: times passed in)."""
+
+    def __init__(self, half_life_ms: float = RATE_HALF_LIFE_MS) -> None:
+        self.half_life_ms = half_life_ms
+        self.weight = 0.0
+        self.last_ms: float | None = None
+
+    def _decayed(self, now_ms: float) -> float:
+        if self.last_ms is None:
+            return 0.0
+        return self.weight * 0.5 ** (max(0.0, now_ms - self.last_ms) / self.half_life_ms)
+
+    def add(self, now_ms: float, count: int = 1) -> None:
+        self.weight = self._decayed(now_ms) + count
+        self.last_ms = now_ms
+
+    def per_ms(self, now_ms: float) -> float:
+        # a decaying count with half-life h sums to rate x h / ln 2
+        return self._decayed(now_ms) * 0.6931 / self.half_life_ms
+
+
+class SafetyMargin:
+    """Milliseconds kept in hand below each deadline, steered by the observed percentile."""
+
+    def __init__(self, target_ms: float, percentile: float) -> None:
+        self.target_ms = target_ms
+        self.ms = 0.0
+        self.observed = WindowQuantile(percentile, LATENCY_WINDOW)
+        self._updated_ms = 0.0
+
+    def observe(self, now_ms: float, latencies_ms: Sequence[float]) -> None:
+        for latency in latencies_ms:
+            self.observed.add(latency)
+        if now_ms - self._updated_ms < MARGIN_UPDATE_MS or not self.observed.values:
+            return
+        self._updated_ms = now_ms
+        observed = self.observed.value(0.0)
+        if observed > self.target_ms:
+            self.ms = min(MARGIN_MAX * self.target_ms, self.ms + MARGIN_UP * self.target_ms)
+        elif observed < MARGIN_CALM * self.target_ms:
+            self.ms = max(0.0, self.ms - MARGIN_DOWN * self.target_ms)
+
+
+class LatencyPolicy:
+    def __init__(self, target_ms: float, percentile: float, buckets: int, instances: int = 1,
+                 shed_over_target: bool = False) -> None:
+        self.target_ms = target_ms
+        self.shed_over_target = shed_over_target
+        self.model = ServiceTimeModel(buckets, percentile)
+        self.margin = SafetyMargin(target_ms, percentile)
+        self.rates = [ArrivalRate() for _ in range(buckets)]
+        self.busy_until_ms = [0.0] * instances
+
+    def deadline_ms(self, member: Member) -> float:
+        own = member.enqueued_ms + self.target_ms
+        return own if member.deadline_ms is None else min(own, member.deadline_ms)
+
+    # --- dispatch -----------------------------------------------------------------------------
+
+    def decide(self, bucket: int, candidates: Sequence[Member], capped: str | None,
+               now_ms: float, start_in_ms: float = 0.0) -> Decision:
+        """Whether to send the bucket's batch now, and how many of `candidates` (the largest
+        batch its caps allow, oldest first). `capped`: "full" or "token_cap" when the caps,
+        not the queue, ended the candidates; `start_in_ms`: until this instance is free."""
+        size, slack = self.best_size(bucket, candidates, now_ms + start_in_ms)
+        if size < len(candidates):
+            return Decision(True, size, "deadline", slack)
+        if slack < 0:
+            return Decision(True, size, "deadline", slack)
+        if capped:
+            return Decision(True, size, capped, slack)
+        longest = max(m.length for m in candidates)
+        return self._wait_or_send(bucket, size, longest, slack, now_ms)
+
+    def best_size(self, bucket: int, candidates: Sequence[Member],
+                  start_ms: float) -> tuple[int, float]:
+        """The batch size that gets the most members answered within their deadlines (the
+        largest such), and the least slack among its members.
+
+        Sending fewer saves the oldest only when that does not cost the others: under load
+        a smaller batch lowers throughput, and the queue behind it pays."""
+        best = (-1, 0, float("-inf"))
+        longest = 0
+        prefix: list[float] = []  # the deadlines of the first n, sorted
+        for n, member in enumerate(candidates, start=1):
+            longest = max(longest, member.length)
+            insort(prefix, self.deadline_ms(member) - self.margin.ms)
+            done = start_ms + self.model.predict_ms(bucket, n, longest)
+            in_time = n - bisect_left(prefix, done)
+            if in_time >= best[0]:
+                best = (in_time, n, prefix[0] - done)
+        return best[1], best[2]
+
+    def _wait_or_send(self, bucket: int, size: int, longest: int, slack: float,
+                      now_ms: float) -> Decision:
+        """Wait for the next arrival only if it comes sooner than the batch's fixed cost
+        per member (then one more member raises throughput) and in time."""
+        rate = self.rates[bucket].per_ms(now_ms)
+        fit = self.model.fit(bucket)
+        gap = 1.0 / rate if rate > 0 else float("inf")
+        one_more = self.model.predict_ms(bucket, size + 1, longest) - \
+            self.model.predict_ms(bucket, size, longest)
+        if gap * size < fit.fixed and gap + one_more < slack:
+            return Decision(False, size, "waiting", slack, wait_ms=min(slack, 2 * gap))
+        return Decision(True, size, "wait_paid_off", slack)
+
+    # --- admission at read time ---------------------------------------------------------------
+
+    def admit(self, member: Member, bucket: int, now_ms: float, queued_ms: float,
+              batch_size: int = 1) -> Admission:
+        """Answer at once a request that cannot make its deadline (or the target, less the
+        margin, when shedding). `queued_ms`: predicted compute of everything queued ahead;
+        `batch_size`: of the batch it is expected to join."""
+        free_in = max(0.0, min(self.busy_until_ms) - now_ms)
+        ahead = queued_ms / len(self.busy_until_ms)
+        delay = free_in + ahead + self.model.predict_ms(bucket, batch_size, member.length)
+        completion = now_ms + delay
+        if member.deadline_ms is not None and completion > member.deadline_ms:
+            return Admission(False, "deadline_exceeded", delay)
+        if self.shed_over_target and \
+                completion + self.margin.ms > member.enqueued_ms + self.target_ms:
+            return Admission(False, "overloaded", delay, retry_after_ms=int(free_in + ahead) + 1)
+        return Admission(True, predicted_ms=delay)
+
+    def queued_ms(self, bucket: int, size: int, longest: int, batch_cap: int) -> float:
+        """Predicted compute of a bucket's queue, run as batches of `batch_cap`."""
+        if not size:
+            return 0.0
+        batches = -(-size // batch_cap)
+        per_batch = self.model.predict_ms(bucket, min(size, batch_cap), longest)
+        return batches * per_batch
+
+    # --- feedback -----------------------------------------------------------------------------
+
+    def arrived(self, bucket: int, now_ms: float, count: int = 1) -> None:
+        self.rates[bucket].add(now_ms, count)
+
+    def started(self, instance: int, bucket: int, size: int, longest: int,
+                now_ms: float) -> None:
+        self.busy_until_ms[instance] = now_ms + self.model.predict_ms(bucket, size, longest)
+
+    def finished(self, instance: int, bucket: int, size: int, longest: int, compute_ms: float,
+                 now_ms: float) -> None:
+        self.busy_until_ms[instance] = now_ms
+        self.model.observe(bucket, size, longest, compute_ms)
+
+    def answered(self, now_ms: float, latencies_ms: Sequence[float]) -> None:
+        self.margin.observe(now_ms, latencies_ms)
+
+    def start_in_ms(self, instance: int, now_ms: float) -> float:
+        return max(0.0, self.busy_until_ms[instance] - now_ms)

@@ -1,0 +1,88 @@
+"""The batcher's buckets seen through the latency policy: which bucket leaves next, with
+how many members, and whether a new request can still be served in time.
+
+Used by Batcher when `latency_target_ms` is set (batching.py delegates here), and by the
+simulator. Pure, like the rest of policy/: times are passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from worker.policy.batching import Batch, Bucket, Pending, bucket_of, take_members
+from worker.policy.flow import entry_time_ms
+from worker.policy.latency import Admission, Decision, LatencyPolicy, Member
+
+if TYPE_CHECKING:
+    from worker.policy.batching import Batcher, BatchLimits
+
+
+def member(pending: Pending) -> Member:
+    enqueued = pending.enqueued_ms or entry_time_ms(pending.entry_id)  # not yet queued
+    return Member(enqueued, pending.request.deadline_ms, pending.item.length)
+
+
+def candidates(bucket: Bucket, limits: BatchLimits) -> tuple[list[Pending], str | None]:
+    """The largest batch the caps allow, oldest first, and which cap ended it (if any)."""
+    chosen = take_members(bucket.items, limits)
+    if len(chosen) < len(bucket.items) or bucket.is_full(limits):
+        capped = "full" if len(chosen) >= limits.max_batch_size else "token_cap"
+        return chosen, capped
+    return chosen, None
+
+
+@dataclass
+class TargetedDispatch:
+    """`policy` predicts for admission always; Batcher dispatches through this object only
+    when a latency target is set."""
+
+    policy: LatencyPolicy
+
+    def checks(self, pending: Pending) -> bool:
+        """Whether admission has anything to decide: a deadline, or shedding on."""
+        return pending.request.deadline_ms is not None or self.policy.shed_over_target
+
+    def decide(self, batcher: Batcher, index: int, now_ms: float, flush: bool,
+               start_in_ms: float) -> Decision:
+        bucket = batcher.buckets[index]
+        chosen, capped = candidates(bucket, batcher.limits_of(index))
+        decision = self.policy.decide(index, [member(p) for p in chosen], capped, now_ms,
+                                      start_in_ms)
+        if flush and not decision.ready:
+            return replace(decision, ready=True, reason="flush")
+        return decision
+
+    def next_batch(self, batcher: Batcher, now_ms: int, flush: bool,
+                   start_in_ms: float) -> Batch | None:
+        """Of the buckets ready to leave, the one with the least slack goes first (earliest
+        deadline first, so no bucket starves)."""
+        ready = []
+        for index, bucket in enumerate(batcher.buckets):
+            if bucket.items:
+                decision = self.decide(batcher, index, now_ms, flush, start_in_ms)
+                if decision.ready:
+                    ready.append((bucket.items[0].enqueued_ms, index, decision))
+        if not ready:
+            return None
+        _, index, decision = min(ready, key=lambda r: (r[0], r[1]))
+        limits = batcher.limits_of(index)
+        taken = batcher.buckets[index].take(replace(limits, max_batch_size=decision.size))
+        return batcher.emit(index, taken, now_ms, decision.reason, decision.slack_ms)
+
+    def seconds_until_ready(self, batcher: Batcher, now_ms: int) -> float | None:
+        waits = [self.decide(batcher, index, now_ms, False, 0.0)
+                 for index, bucket in enumerate(batcher.buckets) if bucket.items]
+        if not waits:
+            return None
+        return min(0.0 if d.ready else (d.wait_ms or 0.0) / 1000 for d in waits)
+
+    def admit(self, batcher: Batcher, pending: Pending, now_ms: float) -> Admission:
+        """Whether a request just read can be served in time, given the queue ahead."""
+        index = bucket_of(pending.item.length, batcher.boundaries)
+        queued = sum(self.policy.queued_ms(i, len(b.items), b.longest,
+                                           batcher.limits_of(i).max_batch_size)
+                     for i, b in enumerate(batcher.buckets))
+        cap = batcher.limits_of(index).max_batch_size
+        joins = len(batcher.buckets[index].items) % cap + 1  # its own batch, as it fills
+        return self.policy.admit(member(pending), index, now_ms, queued, joins)
