@@ -51,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_setting_flags(run)
     demo = commands.add_parser("demo", help="embedded Redis + a worker + sample sentences")
     add_setting_flags(demo)
-    demo.add_argument("--sentences", type=Path, default=None, help="one text per line")
-    demo.add_argument("--count", type=int, default=300, help="how many texts to embed")
+    demo.add_argument("--sentences", type=Path, default=None, help="one text per line (a "
+                      "generative --model: one question per line, instead of its own)")
+    demo.add_argument("--count", type=int, default=300,
+                      help="how many texts to embed (or questions to answer)")
+    demo.add_argument("--max-new-tokens", type=int, default=48,
+                      help="a generative --model (smollm2): the length of each answer")
     dead = commands.add_parser("dead-letters", help="list dead letters, or requeue them")
     add_setting_flags(dead)
     dead.add_argument("--limit", type=int, default=100, help="how many to list (oldest first)")
@@ -103,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(args: argparse.Namespace, settings: Settings) -> int:
     """Each command in its own module (commands/), imported only when it runs."""
     if args.command == "demo":
-        from worker.commands.demo import run_demo
-
-        return run_demo(settings, args.sentences, args.count)
+        return run_demo_command(args, settings)
     if args.command == "dead-letters":
         from worker.commands.dead_letters import run_dead_letters
 
@@ -121,6 +123,17 @@ def run_command(args: argparse.Namespace, settings: Settings) -> int:
     from worker.commands.run import serve
 
     return serve(settings)
+
+
+def run_demo_command(args: argparse.Namespace, settings: Settings) -> int:
+    """A generative model streams its answers (demo_generate.py); any other embeds texts."""
+    from worker.commands.demo_generate import is_generative, run_generate_demo
+
+    if is_generative(settings.model):
+        return run_generate_demo(settings, args.sentences, args.count, args.max_new_tokens)
+    from worker.commands.demo import run_demo
+
+    return run_demo(settings, args.sentences, args.count)
 
 
 def refuse(exc: Exception) -> int:
