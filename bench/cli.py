@@ -1,4 +1,7 @@
-"""`python -m bench [--quick | --smoke] [--out DIR]`: run every measurement, write the report."""
+"""`python -m bench [--quick | --smoke] [--out DIR]`: run every measurement, write the report.
+
+`python -m bench --generative [options]` runs the generative benchmark instead
+(bench/generative.py; `--generative --help` lists its options)."""
 
 from __future__ import annotations
 
@@ -88,6 +91,10 @@ def summary(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--generative"]:  # the generative part: its own options
+        from bench.generative import main as generative
+
+        return generative(argv[1:])
     args = build_parser().parse_args(argv)
     configure_logging("info", "console")
     results = run(args, argv)

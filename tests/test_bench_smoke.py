@@ -35,3 +35,29 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
     assert "## Targets" in markdown
     plots = sorted(p.name for p in tmp_path.glob("*.png"))
     assert len(plots) == 5 and all(name in markdown for name in plots)
+
+
+@pytest.mark.slow
+def test_generative_smoke_run_writes_the_report(tmp_path: Path) -> None:
+    """Every system of the generative benchmark runs on the tiny model and agrees."""
+    from tests.tiny_lm import build_tiny_lm
+
+    model = build_tiny_lm(tmp_path / "tiny", n_positions=1024)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    options = json.dumps({"path": str(model), "max_new_tokens_limit": 256})
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--generative", "--model", "causal_lm",
+         "--model-options", options, "--prompts", "6", "--concurrency", "2", "3",
+         "--repeats", "1", "--ttft-requests", "2", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [report] = tmp_path.glob("*-generative-causal_lm.json")
+    results = json.loads(report.read_text())
+    for by_system in results["throughput"]["tokens_per_s"].values():
+        assert set(by_system) == {"redbatch", "engine", "static", "generate_batch"}
+        assert all(system["median"] > 0 for system in by_system.values())
+    assert results["throughput"]["greedy_agreement"] == {
+        "engine_vs_static": 1.0, "engine_vs_generate_batch": 1.0}
+    assert results["ttft_ms"]["unloaded"]["p50"] > 0 and "80%" in results["ttft_ms"]
+    assert results["memory"]["peak_serving_mib"] > results["memory"]["weights_mib"]
+    assert "## Time to first token" in report.with_suffix(".md").read_text()

@@ -176,3 +176,45 @@ def test_random_load_every_request_finishes_within_the_limits() -> None:
         if added == 60 and not len(sched):
             break
     assert finished == wanted
+
+
+def test_prefill_first_gives_an_arrival_a_step_of_its_own_but_never_two_in_a_row() -> None:
+    sched = DecodingScheduler(SchedulerLimits(max_step_tokens=100, prefill_first=True))
+    sched.add(SeqState("a", prompt_len=5, max_new_tokens=20))
+    sched.schedule()
+    sched.update()
+    sched.add(SeqState("b", prompt_len=6, max_new_tokens=20))
+    plan = sched.schedule()  # b alone: a's decode waits one step
+    assert [w.id for w in plan.prefill] == ["b"] and not plan.decode
+    sched.update()
+    sched.add(SeqState("c", prompt_len=4, max_new_tokens=20))
+    plan = sched.schedule()  # not twice in a row: a and b decode, c joins the same step
+    assert [w.id for w in plan.decode] == ["a", "b"] and [w.id for w in plan.prefill] == ["c"]
+    sched.update()
+    assert [w.id for w in sched.schedule().decode] == ["a", "b", "c"]
+
+
+def test_prefill_first_loses_no_token_and_decoding_runs_every_other_step() -> None:
+    """Arrivals at every step: each sequence still gets exactly its tokens, and no two
+    consecutive steps leave the running sequences out."""
+    rng = random.Random(3)
+    sched = DecodingScheduler(SchedulerLimits(max_step_tokens=64, max_seqs=6,
+                                              prefill_first=True))
+    wanted = {f"s{i}": rng.randint(1, 12) for i in range(40)}
+    arrivals = list(wanted)
+    generated: dict[str, int] = dict.fromkeys(wanted, 0)
+    idle_decodes = 0
+    for _ in range(2000):
+        if arrivals:
+            name = arrivals.pop(0)
+            sched.add(SeqState(name, rng.randint(1, 20), wanted[name]))
+        if not len(sched):
+            break
+        running_before = len(sched.running)
+        plan = sched.schedule()
+        idle_decodes = idle_decodes + 1 if running_before and not plan.decode else 0
+        assert idle_decodes <= 1
+        for work in plan.work:
+            generated[work.id] += work.emits
+        sched.update()
+    assert generated == wanted

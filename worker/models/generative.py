@@ -4,11 +4,14 @@ continuous batching (pipeline/generate.py) instead of collate/forward/postproces
 model_options: `path` (a from_pretrained directory), `gguf_file` (a GGUF file in it),
 `max_new_tokens` (default per request, 128), `max_new_tokens_limit` (1024), and the
 scheduler's knobs (policy/decoding.py): `max_step_tokens` (512), `max_seqs` (16),
-`kv_cache_bytes` (256 MiB of KV cache), `max_wait_steps` (32). Nothing is downloaded.
+`kv_cache_bytes` (256 MiB of KV cache), `max_wait_steps` (32), `prefill_first` (true: a
+step that can admit new requests prefills only them, so their first token does not wait for
+every running sequence's decode). Nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,14 +43,15 @@ class CausalLM(Model):
     def __init__(self, path: str, gguf_file: str | None = None, max_new_tokens: int = 128,
                  max_new_tokens_limit: int = 1024, max_step_tokens: int = 512,
                  max_seqs: int = 16, kv_cache_bytes: int = 256 << 20,
-                 max_wait_steps: int = 32) -> None:
+                 max_wait_steps: int = 32, prefill_first: bool = True) -> None:
         if not 1 <= max_new_tokens <= max_new_tokens_limit:
             raise ValueError("need 1 <= max_new_tokens <= max_new_tokens_limit")
         self.path, self.gguf_file = path, gguf_file
         self.max_new_tokens, self.max_new_tokens_limit = max_new_tokens, max_new_tokens_limit
-        self.knobs = dict(max_step_tokens=max_step_tokens, max_seqs=max_seqs,
-                          kv_budget_bytes=kv_cache_bytes, max_wait_steps=max_wait_steps)
-        SchedulerLimits(**self.knobs)  # checks them now, at start-up
+        self.limits = SchedulerLimits(  # checked now, at start-up; bytes_per_token at load
+            max_step_tokens=max_step_tokens, max_seqs=max_seqs,
+            kv_budget_bytes=kv_cache_bytes, max_wait_steps=max_wait_steps,
+            prefill_first=prefill_first)
 
     def load(self, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,7 +72,7 @@ class CausalLM(Model):
 
     def scheduler_limits(self) -> SchedulerLimits:
         per_token = kv_bytes_per_token(self.lm.config, self.lm.dtype)
-        return SchedulerLimits(bytes_per_token=per_token, **self.knobs)
+        return dataclasses.replace(self.limits, bytes_per_token=per_token)
 
     def prepare(self, payload: Any, nbytes: int) -> Prepared:
         prompt = prompt_of(payload)

@@ -13,7 +13,8 @@ Order: higher priority first, then oldest. A waiting sequence that has waited `m
 steps is aged: it goes before every unaged one whatever their priority, and while the first
 in line cannot be admitted, nothing behind it is (so memory frees up for it as running
 sequences finish). A waiting sequence is therefore admitted within `max_wait_steps` plus the
-steps the sequences running then need to finish (at most their `max_new_tokens` plus one).
+steps the sequences running then need to finish (at most their `max_new_tokens` plus one;
+twice that with `prefill_first`, which may give every other step to admissions alone).
 
 Token accounting: a sequence's tokens are its prompt and what it generated. `computed` of
 them are in its cache. A step feeds it tokens [computed, computed + n); when that reaches its
@@ -90,6 +91,7 @@ class SchedulerLimits:
     bytes_per_token: int = 1
     kv_budget_bytes: int = 1 << 30
     max_wait_steps: int = 32
+    prefill_first: bool = False  # admissions get a step of their own (see schedule())
 
     def __post_init__(self) -> None:
         for name in ("max_step_tokens", "max_seqs", "bytes_per_token", "kv_budget_bytes",
@@ -109,6 +111,7 @@ class DecodingScheduler:
         self.running: list[SeqState] = []  # in order of admission
         self._arrivals = 0
         self._plan: StepPlan | None = None
+        self._stalled = False  # the last step was prefill-only
 
     # --- queue --------------------------------------------------------------------------------
 
@@ -147,12 +150,23 @@ class DecodingScheduler:
     # --- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """The work of the next step. Call update() with its outcome before the next one."""
+        """The work of the next step. Call update() with its outcome before the next one.
+
+        With `prefill_first`, a step that can admit waiting requests admits only them: a
+        new request's first token then waits for its own prefill, not for every running
+        sequence's decode as well (time to first token), and decoding loses one step. Never
+        two such steps in a row, so decoding runs at least every other step."""
         plan = StepPlan()
         budget = self.limits.max_step_tokens
         free = self.limits.kv_tokens - self.used_tokens
-        budget, free = self._schedule_running(plan, budget, free)
-        self._admit_waiting(plan, budget, free)
+        prefill_only = False
+        if self.limits.prefill_first and not self._stalled and self.running:
+            self._admit_waiting(plan, budget, free)
+            prefill_only = bool(plan)
+        if not plan:
+            budget, free = self._schedule_running(plan, budget, free)
+            self._admit_waiting(plan, budget, free)
+        self._stalled = prefill_only
         for seq in self.waiting:
             seq.waited += 1
         self._plan = plan

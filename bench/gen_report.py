@@ -1,0 +1,76 @@
+"""The generative benchmark's memory check and its markdown report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+from bench.gen_online import RssPeak
+
+MIB = 1 << 20
+BASELINE = ("import transformers, torch, worker.app; from transformers import "
+            "AutoModelForCausalLM; print(next(int(l.split()[1]) * 1024 for l in "
+            "open('/proc/self/status') if l.startswith('VmRSS:')))")
+
+
+def interpreter_rss() -> int:
+    """What a worker process holds before its model: Python, torch, transformers."""
+    return int(subprocess.run([sys.executable, "-c", BASELINE], check=True,
+                              capture_output=True, text=True).stdout.split()[-1])
+
+
+def memory_check(model: Any, kv_budget: int, rss: RssPeak) -> dict[str, Any]:
+    """Peak RSS while serving against weights + KV budget (+ 10 %), on top of the
+    interpreter's own; VmHWM includes the load (the GGUF is de-quantised then)."""
+    lm = model.lm
+    weights = sum(t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()])
+    baseline = interpreter_rss()
+    allowed = baseline + 1.1 * (weights + kv_budget)
+    return {"weights_mib": weights / MIB, "kv_budget_mib": kv_budget / MIB,
+            "interpreter_mib": baseline / MIB, "peak_serving_mib": rss.peak_bytes / MIB,
+            "vm_hwm_mib": rss.field_bytes("VmHWM") / MIB, "allowed_mib": allowed / MIB,
+            "met": rss.peak_bytes <= allowed}
+
+
+def _throughput_table(results: dict[str, Any]) -> list[str]:
+    lines = ["| concurrency | redbatch (worker, Redis) | engine alone | static | "
+             "generate_batch | redbatch / static | redbatch / generate_batch |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for cap, by in results["throughput"]["tokens_per_s"].items():
+        m = {s: v["median"] for s, v in by.items()}
+        lines.append(f"| {cap} | {m['redbatch']:.1f} | {m['engine']:.1f} | {m['static']:.1f} "
+                     f"| {m['generate_batch']:.1f} | {m['redbatch'] / m['static']:.2f}x | "
+                     f"{m['redbatch'] / m['generate_batch']:.2f}x |")
+    return lines
+
+
+def _ttft_lines(ttft: dict[str, Any]) -> list[str]:
+    lines = ["| load | rate (req/s) | p50 ms | p95 ms | p95 / unloaded p50 |",
+             "|---|---:|---:|---:|---:|",
+             f"| unloaded (alone) | - | {ttft['unloaded']['p50']:.0f} | "
+             f"{ttft['unloaded']['p95']:.0f} | - |"]
+    for load in ("50%", "80%"):
+        row = ttft[load]
+        lines.append(f"| {load} of saturation | {row['rate_rps']:.2f} | {row['p50']:.0f} | "
+                     f"{row['p95']:.0f} | {row['p95_over_unloaded_p50']:.2f}x |")
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    memory = results["memory"]
+    lines = [f"# Generative benchmark: {results['model']}", "",
+             f"`{results['command']}`, started {results['started']}, "
+             f"{results['threads']} torch threads everywhere.", "",
+             f"Workload: {results['workload']}.", "",
+             "## Generated tokens/s (median over repeats)", "", *_throughput_table(results),
+             "", f"Greedy agreement (largest concurrency, first repeat): "
+             f"{results['throughput']['greedy_agreement']}.", "",
+             "## Time to first token (XADD to the first sampled token)", "",
+             *_ttft_lines(results["ttft_ms"]), "", "## Memory", "",
+             f"Peak RSS while serving {memory['peak_serving_mib']:.0f} MiB (VmHWM with the "
+             f"load: {memory['vm_hwm_mib']:.0f} MiB) against interpreter "
+             f"{memory['interpreter_mib']:.0f} + 1.1 x (weights {memory['weights_mib']:.0f} + "
+             f"KV budget {memory['kv_budget_mib']:.0f}) = {memory['allowed_mib']:.0f} MiB: "
+             f"{'met' if memory['met'] else 'NOT met'}.", ""]
+    return "\n".join(lines)

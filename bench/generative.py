@@ -1,0 +1,158 @@
+"""The generative benchmark: `python -m bench.generative` (or `python -m bench --generative`).
+
+One run, side by side on the same requests (bench/gen_workload.py: real prompts, a
+long-tailed max_new_tokens mix over 8-256), repeated `--repeats` times in turn:
+
+- redbatch: one worker process (continuous batching, max_seqs = the largest concurrency)
+  on an embedded Redis, fed closed-loop at each concurrency (bench/gen_online.py);
+- in this process (bench/gen_offline.py): redbatch's engine alone, static run-to-completion
+  batching at the same cap, and transformers' own continuous batching (generate_batch's
+  manager).
+Then time to first token, unloaded and under open-loop arrivals at 50 % and 80 % of the
+saturated request rate, and the worker's peak RSS against weights + KV budget.
+Medians over the repeats; the machine is shared, so only side-by-side ratios mean much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.cluster import Workers
+from bench.gen_offline import agreement, run_engine, run_generate_batch
+from bench.gen_online import RssPeak, closed_loop, ttft_loaded, ttft_unloaded
+from bench.gen_report import markdown, memory_check
+from bench.gen_workload import GenRequest, build_workload, describe
+from bench.machine import describe_machine
+from bench.stats import median, percentile
+from worker.models import create_model
+from worker.streams.server import RedisServer
+
+RESULTS = Path(__file__).parent / "results"
+SYSTEMS = ("redbatch", "engine", "static", "generate_batch")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.generative", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model-options", type=json.loads, default={},
+                        help="JSON, e.g. '{\"path\": \"/a/model\"}' for causal_lm")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help=(
+        "torch threads, everywhere (1: on a shared machine 2 threads can run 10x slower)"))
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--ttft-requests", type=int, default=8, help="sent alone, unloaded")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_seqs": max(args.concurrency), "kv_cache_bytes": args.kv_cache_mib << 20,
+            **args.model_options}
+
+
+def throughput(model: Any, requests: Sequence[GenRequest], pool: Workers,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """Generated tokens/s of each system at each concurrency, every repeat in turn."""
+    rates: dict[int, dict[str, list[float]]] = {c: {s: [] for s in SYSTEMS}
+                                                 for c in args.concurrency}
+    agreeing: dict[str, float] = {}
+    generated = 0
+    for repeat in range(args.repeats):
+        for cap in args.concurrency:
+            runs = {"redbatch": closed_loop(pool.redis_url, pool.stream, requests, cap),
+                    "engine": run_engine(model, requests, cap),
+                    "static": run_engine(model, requests, cap, static=True),
+                    "generate_batch": run_generate_batch(model, requests, cap)}
+            generated = runs["redbatch"].tokens
+            for system, run in runs.items():
+                rates[cap][system].append(run.tokens_per_s)
+            if repeat == 0 and cap == max(args.concurrency):
+                agreeing = {"engine_vs_static": agreement(runs["engine"], runs["static"]),
+                            "engine_vs_generate_batch": agreement(runs["engine"],
+                                                                  runs["generate_batch"])}
+            print(f"repeat {repeat} c={cap}: " + ", ".join(
+                f"{s} {r.tokens_per_s:.1f}" for s, r in runs.items()), file=sys.stderr)
+    table = {cap: {s: {"median": median(v), "runs": v} for s, v in by.items()}
+             for cap, by in rates.items()}
+    return {"tokens_per_s": table, "greedy_agreement": agreeing,
+            "mean_generated_tokens": generated / len(requests)}
+
+
+def time_to_first_token(requests: Sequence[GenRequest], pool: Workers,
+                        saturated_rps: float, args: argparse.Namespace) -> dict[str, Any]:
+    """Unloaded (alone, max_new_tokens 1), then at 50 % and 80 % of saturation."""
+    alone = [replace(r, payload={**r.payload, "max_new_tokens": 1})
+             for r in requests[:args.ttft_requests]]
+    unloaded = ttft_unloaded(pool.redis_url, pool.stream, alone)
+    result: dict[str, Any] = {"unloaded": {"p50": median(unloaded), "p95":
+                                           percentile(unloaded, 95), "values": unloaded}}
+    for load in (0.5, 0.8):
+        values = ttft_loaded(pool.redis_url, pool.stream, requests, load * saturated_rps,
+                             args.seed)
+        result[f"{load:.0%}"] = {"rate_rps": load * saturated_rps, "p50": median(values),
+                                 "p95": percentile(values, 95),
+                                 "p95_over_unloaded_p50": percentile(values, 95)
+                                 / median(unloaded)}
+    return result
+
+
+def measure(args: argparse.Namespace, model: Any, requests: list[GenRequest],
+            log_dir: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with RedisServer(log_dir, appendonly=False) as server, \
+            Workers(server.url, "redbatch", 1, log_dir, model=args.model,
+                    model_options=model_options(args), torch_threads=args.threads) as pool:
+        pool.wait_until_reading(timeout_s=600)
+        closed_loop(pool.redis_url, pool.stream, requests[:2], 2)  # warm up
+        with RssPeak(pool.processes[0].pid) as rss:
+            results["throughput"] = throughput(model, requests, pool, args)
+            top = results["throughput"]["tokens_per_s"][max(args.concurrency)]["redbatch"]
+            mean_tokens = results["throughput"]["mean_generated_tokens"]
+            saturated_rps = top["median"] / mean_tokens
+            results["saturation"] = {"tokens_per_s": top["median"],
+                                     "requests_per_s": saturated_rps,
+                                     "mean_generated_tokens": mean_tokens}
+            results["ttft_ms"] = time_to_first_token(requests, pool, saturated_rps, args)
+        results["memory"] = memory_check(model, args.kv_cache_mib << 20, rss)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = create_model(args.model, model_options(args))
+    model.load(torch.device("cpu"))
+    requests = build_workload(model, args.prompts, args.seed)
+    results: dict[str, Any] = {
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "-m", "bench.generative", *(argv or sys.argv[1:])]),
+        "machine": describe_machine(), "model": args.model, "workload": describe(requests),
+        "threads": args.threads, "kv_cache_mib": args.kv_cache_mib}
+    with tempfile.TemporaryDirectory(prefix="redbatch-gen-bench-") as log_dir:
+        results.update(measure(args, model, requests, Path(log_dir)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{datetime.date.today().isoformat()}-generative-{args.model}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    report = markdown(results)
+    stem.with_suffix(".md").write_text(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
