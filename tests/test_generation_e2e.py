@@ -193,3 +193,25 @@ def test_smollm2_answers_the_capital_of_france(worker_factory: Callable[..., Any
         done = read_stream(r, stream_key(request_id), timeout_s=60)[-1][1]
     assert done["ok"], done
     assert "Paris" in done["result"]["text"]
+
+
+def test_a_generation_past_its_deadline_is_stopped_after_its_chunks(
+        tiny_worker: Any, r: redis.Redis) -> None:
+    """A deadline that passes mid-generation ends it with `deadline_exceeded` as the done
+    entry right after the chunks already streamed; the worker keeps serving."""
+    prompt, stopped = "the quick brown fox jumps", []
+    for delay_ms in (5, 10, 20, 40, 80, 160, 320):
+        deadline_ms = int(time.time() * 1000) + delay_ms
+        request_id = send(r, {"prompt": prompt, "max_new_tokens": 64},
+                          deadline_ms=deadline_ms)
+        entries = read_stream(r, stream_key(request_id))
+        done = entries[-1][1]
+        assert [i for i, _ in entries] == [f"{n}-1" for n in range(1, len(entries) + 1)]
+        if not done["ok"]:
+            assert done["error"]["code"] == "deadline_exceeded"
+            if len(entries) > 1:
+                stopped.append(done["error"]["message"])
+    assert stopped and all("while generating" in m for m in stopped)
+    after = read_stream(r, stream_key(send(r, {"prompt": prompt, "max_new_tokens": 4})))
+    assert after[-1][1]["ok"]
+    assert r.xpending(STREAM, "workers")["pending"] == 0

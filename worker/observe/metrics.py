@@ -111,6 +111,20 @@ LATENCY_MARGIN = Gauge("redbatch_latency_margin_seconds", "The safety margin bel
 SERVICE_COST = Gauge("redbatch_service_cost_seconds",
                      "Fitted batch cost: fixed per batch, and per padded token",
                      ["model", "term"], multiprocess_mode="max")
+GENERATED_TOKENS = Counter("redbatch_generated_tokens", "Tokens sampled by generative models",
+                           ["model"])
+TIME_TO_FIRST_TOKEN = Histogram("redbatch_time_to_first_token_seconds",
+                                "XADD to the first sampled token", ["model"],
+                                buckets=LATENCY_BUCKETS)
+DECODING_STEP_TIME = Histogram("redbatch_decoding_step_seconds", "One continuous-batching step",
+                               ["model"], buckets=LATENCY_BUCKETS)
+SEQUENCES = Gauge("redbatch_sequences", "Generation requests by state (running, waiting)",
+                  ["model", "state"], multiprocess_mode="livesum")
+PREEMPTIONS = Counter("redbatch_preemptions", "Sequences preempted (KV cache dropped)",
+                      ["model"])
+GENERATIONS_FINISHED = Counter("redbatch_generations_finished", "Generations ended, by reason",
+                               ["model", "reason"])
+
 
 def observe_all(histogram: Any, values: Sequence[float]) -> None:
     """Observe many values of one labelled histogram at once, as observe() would each.

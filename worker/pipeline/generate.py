@@ -8,8 +8,8 @@ chunks of streamed requests and the step's cancel check in one round trip
 (streams/token_streams.py). Finished requests become answers for the reply thread, which
 writes the `done` entry (or the list reply) with the XACK, ownership-checked.
 
-Unlike the compute loops it sends Redis commands itself (the chunks and the cancel check,
-through RedisRetry): a chunk must be out before the next step, not after the answer.
+It sends Redis commands itself (the chunks and the cancel check, through RedisRetry): a
+chunk must be out before the next step, not after the answer.
 
 Durability: a redelivered request (claimed from a dead consumer, or our own after a restart)
 continues from what its reply stream holds: the prompt and the tokens already streamed are
@@ -28,16 +28,22 @@ import structlog
 
 from producer import protocol
 from producer.protocol import ErrorCode
-from worker.execution.generation import GenerationEngine
+from worker.execution.generation import GenerationEngine, StepOutput
 from worker.execution.sampling import Delta
 from worker.models.generation_params import GenerationInput
+from worker.observe import metrics
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import Grace, RedisRetry
-from worker.pipeline.token_answers import delta_envelope, final_answer, routed_error
+from worker.pipeline.token_answers import (
+    delta_envelope,
+    final_answer,
+    generation_meta,
+    routed_error,
+)
 from worker.policy.batching import Batcher, Pending
 from worker.policy.decoding import DecodingScheduler, SeqState, StepPlan
-from worker.policy.flow import entry_time_ms
+from worker.policy.flow import entry_time_ms, is_past_deadline
 from worker.streams.token_streams import Chunk, Progress, TokenStreams
 
 log = structlog.get_logger("redbatch.worker")
@@ -197,7 +203,7 @@ class GenerateLoop:
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
-        now_ms = time.time() * 1000
+        started, now_ms = time.perf_counter(), time.time() * 1000
         for entry_id in plan.admitted:
             live = self.live[entry_id]
             live.started_ms = live.started_ms or now_ms
@@ -213,10 +219,20 @@ class GenerateLoop:
         gone = [s.id for s in self.scheduler.update(output.finished)]
         gone += [c for c in cancelled if c not in gone and self.scheduler.remove(c)]
         answers = [self._finish(i, reasons.get(i) or "cancelled") for i in gone]
+        answers += self._expire()
         if answers:
             self.answers.put(answers)
+        self._record(plan, output, time.perf_counter() - started)
         log.debug("generate.step", decode=len(plan.decode), prefill=len(plan.prefill),
                   tokens=plan.tokens, preempted=len(plan.preempted), finished=len(gone))
+
+    def _record(self, plan: StepPlan, output: StepOutput, seconds: float) -> None:
+        name = self.config.model_name
+        metrics.DECODING_STEP_TIME.labels(name).observe(seconds)
+        metrics.GENERATED_TOKENS.labels(name).inc(len(output.deltas))
+        metrics.PREEMPTIONS.labels(name).inc(len(plan.preempted))
+        metrics.SEQUENCES.labels(name, "running").set(len(self.scheduler.running))
+        metrics.SEQUENCES.labels(name, "waiting").set(len(self.scheduler.waiting))
 
     def _write(self, deltas: list[Delta]) -> set[str]:
         """The step's chunks, and the cancel check of every live request, in one round
@@ -225,7 +241,10 @@ class GenerateLoop:
         chunks = []
         for delta in deltas:
             live = self.live[delta.id]
-            live.first_token_ms = live.first_token_ms or now_ms
+            if live.first_token_ms is None:
+                live.first_token_ms = now_ms
+                metrics.TIME_TO_FIRST_TOKEN.labels(self.config.model_name).observe(
+                    (now_ms - entry_time_ms(delta.id)) / 1000)
             if delta.text and live.data.stream:
                 live.chunks += 1
                 request = live.pending.request
@@ -242,33 +261,40 @@ class GenerateLoop:
         live = self.live.pop(entry_id)
         seq = self.engine.drop(entry_id)
         assert seq is not None
-        request, now_ms = live.pending.request, time.time() * 1000
-        enqueued = entry_time_ms(entry_id)
-        started = live.started_ms or now_ms
-        meta = {"model": self.config.model_name, "queue_ms": round(started - enqueued, 3),
-                "ttft_ms": None if live.first_token_ms is None
-                else round(live.first_token_ms - enqueued, 3),
-                "compute_ms": round(now_ms - started, 3), "worker": self.config.consumer}
-        if live.resumed_at:
-            meta["resumed_at"] = live.resumed_at
+        request, config = live.pending.request, self.config
+        meta = generation_meta(config.model_name, config.consumer, entry_id, live.started_ms,
+                               live.first_token_ms, time.time() * 1000, live.resumed_at)
         result = {"text": seq.text.text, "tokens": len(seq.text.generated),
                   "prompt_tokens": len(live.data.prompt_ids), "finish_reason": reason}
+        metrics.GENERATIONS_FINISHED.labels(config.model_name, reason).inc()
         return final_answer(entry_id, request, protocol.success_envelope(request.id, result,
                                                                          meta),
-                            self.config.namespace, live.data.stream, live.chunks)
+                            config.namespace, live.data.stream, live.chunks)
+
+    def _expire(self) -> list[Answer]:
+        """Running or waiting sequences past their `deadline_ms`: stopped, answered
+        `deadline_exceeded` (after the chunks already streamed)."""
+        now_ms = int(time.time() * 1000)
+        late = [i for i, live in self.live.items()
+                if is_past_deadline(live.pending.request.deadline_ms, now_ms)]
+        return [self._stop(i, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while generating")
+                for i in late]
+
+    def _stop(self, entry_id: str, code: ErrorCode, message: str) -> Answer:
+        """End one live request with an error, placed after its streamed chunks."""
+        live = self.live.pop(entry_id)
+        self.scheduler.remove(entry_id)
+        self.engine.drop(entry_id)
+        answer = self._error(live.pending, code, message)
+        if answer.stream_index:
+            answer.stream_index = live.chunks + 1
+        metrics.GENERATIONS_FINISHED.labels(self.config.model_name, code.value).inc()
+        return answer
 
     def _fail_all(self, plan: StepPlan, exc: Exception) -> None:
         """The model raised in a step: every live request is answered `model_error`
         (the step may have left their caches half-updated)."""
         self.scheduler.update()
-        answers = []
-        for entry_id, live in list(self.live.items()):
-            self.scheduler.remove(entry_id)
-            self.engine.drop(entry_id)
-            answer = self._error(live.pending, ErrorCode.MODEL_ERROR,
-                                 f"{type(exc).__name__}: {exc}")
-            if answer.stream_index:
-                answer.stream_index = live.chunks + 1  # after the chunks already written
-            answers.append(answer)
-        self.live.clear()
-        self.answers.put(answers)
+        message = f"{type(exc).__name__}: {exc}"
+        self.answers.put([self._stop(i, ErrorCode.MODEL_ERROR, message)
+                          for i in list(self.live)])

@@ -38,3 +38,18 @@ def routed_error(answer: Answer, request: Request, namespace: str, stream: bool)
     """An error answer of a generative request (bad payload, deadline passed...): on its
     reply stream as its only entry unless it asked for `"stream": false`."""
     return final_answer(answer.entry_id, request, answer.envelope, namespace, stream, 0)
+
+
+def generation_meta(model: str, worker: str, entry_id: str, started_ms: float | None,
+                    first_token_ms: float | None, now_ms: float,
+                    resumed_at: int = 0) -> dict[str, Any]:
+    """The `meta` of a finished generation: its times from the XADD (the entry id)."""
+    enqueued = entry_time_ms(entry_id)
+    started = started_ms or now_ms
+    meta: dict[str, Any] = {
+        "model": model, "queue_ms": round(started - enqueued, 3),
+        "ttft_ms": None if first_token_ms is None else round(first_token_ms - enqueued, 3),
+        "compute_ms": round(now_ms - started, 3), "worker": worker}
+    if resumed_at:
+        meta["resumed_at"] = resumed_at
+    return meta
