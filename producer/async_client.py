@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 import producer.client as base
 from producer import connection, protocol
-from producer.backlog import ADD_IF_UNDER, ADD_ONCE
+from producer.backlog import ADD_IF_UNDER, ADD_ONCE, ShardCycle, published_shards
 
 
 class AsyncClient(base._Base):
@@ -34,6 +34,61 @@ class AsyncClient(base._Base):
         self.redis = redis_client or connection.async_client(url, cluster)
         self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
         self._add_once = self.redis.register_script(ADD_ONCE)
+        self._discovered = not connection.is_cluster_client(self.redis)
+        self._discovering = asyncio.Lock()
+
+    async def _discover(self) -> None:
+        """On a cluster, the model's shard count (producer.backlog.shard_count), once; the
+        first call only (concurrent first calls wait for it, and the cluster's slot table)."""
+        if self._discovered:
+            return
+        async with self._discovering:
+            if not self._discovered:
+                await self.redis.initialize()
+                await self._read_shards()
+
+    async def _read_shards(self) -> None:
+        protocol.check_cluster_names(self.namespace, self.model)
+        key = protocol.shards_key(self.namespace, self.model)
+        count = published_shards(await self.redis.get(key))
+        if count is None:
+            await self.redis.set(key, protocol.default_shards(connection.master_count(self.redis)),
+                                 nx=True)
+            count = published_shards(await self.redis.get(key))
+        if count is None:
+            raise ValueError(f"{key} does not hold a shard count")
+        self.cycle, self._discovered = ShardCycle(count), True
+
+    async def _submit_sharded(self, ids: Sequence[str], entries: list[Any],
+                              default_reply: bool, submitted: Sequence[str] = ()) -> None:
+        """Client._submit_sharded for asyncio, without WAIT (see docs/deploy.md): each
+        shard's part pipelined, or through ADD_IF_UNDER moving on past a full shard."""
+        assert self.cycle is not None
+        for shard, indices in self.cycle.spread(len(ids)).items():
+            group_ids, group = [ids[i] for i in indices], [entries[i] for i in indices]
+            placed = await self._to_some_shard(shard, group, submitted)
+            if default_reply:
+                self._remember(group_ids, placed)
+            submitted = [*submitted, *group_ids]
+
+    async def _to_some_shard(self, shard: int, entries: list[Any],
+                             submitted: Sequence[str]) -> int:
+        assert self.cycle is not None
+        backlog = 0
+        for candidate in self.cycle.after(shard):
+            stream = self._stream_of(candidate)
+            if self.max_backlog is None:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for fields in entries:
+                        pipe.xadd(stream, fields)
+                    await pipe.execute()
+                return candidate
+            result = await self._add_if_under(keys=[stream], args=self._add_arguments(entries))
+            if result[0]:
+                return candidate
+            backlog = int(result[1])
+        assert self.max_backlog is not None
+        raise base.Overloaded(backlog, self.max_backlog, submitted)
 
     async def _wanted(self) -> int:
         if connection.is_cluster_client(self.redis):
@@ -66,7 +121,10 @@ class AsyncClient(base._Base):
                      priority: int = 0) -> str:
         request_id = request_id or base.new_request_id()
         fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
-        if wanted := await self._wanted():
+        await self._discover()
+        if self.cycle is not None:
+            await self._submit_sharded([request_id], [fields], reply_to is None)
+        elif wanted := await self._wanted():
             await self._add_replicated([request_id], [fields], wanted)
         elif self.max_backlog is None:
             await self.redis.xadd(self.stream, fields)
@@ -78,6 +136,12 @@ class AsyncClient(base._Base):
     async def submit_many(self, payloads: Sequence[Any], *, reply_to: str | None = None,
                           deadline_ms: int | None = None, priority: int = 0) -> list[str]:
         ids: list[str] = []
+        await self._discover()
+        if self.cycle is not None:
+            for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority):
+                await self._submit_sharded(chunk_ids, entries, reply_to is None, ids)
+                ids += chunk_ids
+            return ids
         if wanted := await self._wanted():
             for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority):
                 await self._add_replicated(chunk_ids, entries, wanted, ids)
@@ -104,6 +168,7 @@ class AsyncClient(base._Base):
         for block_s in base.block_slices(timeout):
             popped: Any = await self.redis.blpop([key], timeout=block_s)
             if popped is not None:
+                self._forget(request_id)
                 return protocol.decode_envelope(popped[1])
         raise base.ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 

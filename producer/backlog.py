@@ -9,6 +9,12 @@ so a flood of producers cannot race past the limit.
 
 from __future__ import annotations
 
+import random
+import threading
+from typing import Any
+
+from producer import protocol
+
 BACKLOG_FUNCTION = """
 local function backlog(stream, group, cap)
   if redis.call('EXISTS', stream) == 0 then return 0 end
@@ -102,3 +108,58 @@ def add_once_arguments(group: str, max_backlog: int | None, marker_ttl_ms: int,
     """The ARGV of ADD_ONCE for these entries' fields."""
     args = add_arguments(group, -1 if max_backlog is None else max_backlog, entries)
     return [*args[:2], marker_ttl_ms, *args[2:]]
+
+
+class ShardCycle:
+    """Cluster mode: the shard the next requests go to, round-robin from a random start
+    (so producers started together do not all begin on shard 0). `after(s)` is the order
+    to try when shard s is over its share of max_backlog: s, s+1, ... around once."""
+
+    def __init__(self, count: int, start: int | None = None) -> None:
+        if count < 1:
+            raise ValueError("a sharded queue has at least one shard")
+        self.count = count
+        self._next = random.randrange(count) if start is None else start % count
+        self._lock = threading.Lock()  # one Client may be shared by threads
+
+    def take(self, n: int = 1) -> list[int]:
+        """The shards of the next `n` requests."""
+        with self._lock:
+            first, self._next = self._next, (self._next + n) % self.count
+        return [(first + i) % self.count for i in range(n)]
+
+    def after(self, shard: int) -> list[int]:
+        return [(shard + i) % self.count for i in range(self.count)]
+
+    def spread(self, n: int) -> dict[int, list[int]]:
+        """The indices 0..n-1 of a batch of requests, grouped by the shard each goes to."""
+        groups: dict[int, list[int]] = {}
+        for index, shard in enumerate(self.take(n)):
+            groups.setdefault(shard, []).append(index)
+        return groups
+
+    def share(self, max_backlog: int) -> int:
+        """One shard's part of max_backlog (rounded up), so all shards hold at most about
+        max_backlog together."""
+        return -(-max_backlog // self.count)
+
+
+def published_shards(value: bytes | str | None) -> int | None:
+    """The shard count a `redbatch:shards:<model>` GET returned, or None."""
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def shard_count(client: Any, namespace: str, model: str, wanted: int = 0) -> int:
+    """The model's shard count on a cluster: the published one, or (first comer) `wanted`,
+    by default 2 x the masters, published with SET NX so every producer and worker agrees."""
+    key = protocol.shards_key(namespace, model)
+    count = published_shards(client.get(key))
+    if count is None:
+        client.set(key, wanted or protocol.default_shards(len(client.get_primaries())), nx=True)
+        count = published_shards(client.get(key))
+    if count is None:
+        raise ValueError(f"{key} does not hold a shard count")
+    return count

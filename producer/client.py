@@ -18,8 +18,10 @@ from producer import connection, protocol
 from producer.backlog import (
     ADD_IF_UNDER,
     ADD_ONCE,
+    ShardCycle,
     add_arguments,
     add_once_arguments,
+    shard_count,
     submitted_key,
 )
 
@@ -33,8 +35,11 @@ MIN_BLOCK_S = 0.01  # BLPOP with a timeout that rounds to 0 would block forever
 # this many times (ADD_ONCE makes that idempotent), waiting RESUBMIT_DELAY_S x 2^attempt.
 RESUBMITS = 6
 RESUBMIT_DELAY_S = 0.1
-RESUBMIT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+RESUBMIT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
+                   redis.exceptions.MovedError, redis.exceptions.ClusterDownError,
+                   redis.exceptions.TryAgainError)  # the last three: a cluster's failover
 MARKER_TTL_MS = 3_600_000
+REMEMBERED_REPLY_KEYS = 100_000  # cluster mode: default reply keys kept for wait()
 
 
 class RedbatchError(Exception):
@@ -107,11 +112,53 @@ class _Base:
         # WAIT after each write for this many replicas (producer/connection.py ReplicaCount)
         self.replicas = replicas or connection.ReplicaCount(0)
         self.short_waits = 0  # writes a WAIT reported short of replicas (each resubmitted)
+        self.cycle: ShardCycle | None = None  # on a cluster: the shards, round-robin
+        self._shard_replicas: dict[int, connection.ReplicaCount] = {}
+        self._reply_keys: dict[str, str] = {}  # on a cluster: request id -> its reply key
 
-    def _once_call(self, ids: Sequence[str], entries: list[Any]) -> tuple[list[str], list[Any]]:
-        """(KEYS, ARGV) of ADD_ONCE: the stream and one request marker per entry."""
-        keys = [self.stream, *(submitted_key(self.namespace, i) for i in ids)]
-        return keys, add_once_arguments(self.group, self.max_backlog, MARKER_TTL_MS, entries)
+    def _shard_over(self, client: Any) -> None:
+        """On a cluster, requests go to the model's shards (protocol.shard_stream_key)."""
+        if connection.is_cluster_client(client):
+            protocol.check_cluster_names(self.namespace, self.model)
+            self.cycle = ShardCycle(shard_count(client, self.namespace, self.model))
+
+    def _replicas_of(self, shard: int | None) -> connection.ReplicaCount:
+        """One ReplicaCount per shard on a cluster (each shard's master has its own)."""
+        if shard is None:
+            return self.replicas
+        return self._shard_replicas.setdefault(shard, connection.ReplicaCount(
+            self.replicas.configured, self.replicas.timeout_ms))
+
+    def _stream_of(self, shard: int | None) -> str:
+        if shard is None:
+            return self.stream
+        return protocol.shard_stream_key(self.namespace, self.model, shard)
+
+    def _once_call(self, ids: Sequence[str], entries: list[Any],
+                   shard: int | None = None) -> tuple[list[str], list[Any]]:
+        """(KEYS, ARGV) of ADD_ONCE: the stream and one request marker per entry (on a
+        cluster, in the shard's slot)."""
+        if shard is None:
+            markers = [submitted_key(self.namespace, i) for i in ids]
+        else:
+            markers = [protocol.shard_submitted_key(self.namespace, self.model, shard, i)
+                       for i in ids]
+        return [self._stream_of(shard), *markers], add_once_arguments(
+            self.group, self._limit(), MARKER_TTL_MS, entries)
+
+    def _limit(self) -> int | None:
+        """max_backlog, or on a cluster one shard's share of it."""
+        if self.cycle is None or self.max_backlog is None:
+            return self.max_backlog
+        return self.cycle.share(self.max_backlog)
+
+    def _remember(self, ids: Sequence[str], shard: int) -> None:
+        """The default reply keys of requests sent to `shard`, for wait()."""
+        for request_id in ids:
+            self._reply_keys[request_id] = protocol.shard_reply_key(
+                self.namespace, self.model, shard, request_id)
+        while len(self._reply_keys) > REMEMBERED_REPLY_KEYS:
+            del self._reply_keys[next(iter(self._reply_keys))]
 
     def _chunks(self, payloads: Sequence[Any], reply_to: str | None, deadline_ms: int | None,
                 priority: int) -> Iterator[tuple[list[str], list[Any]]]:
@@ -123,19 +170,21 @@ class _Base:
                         for payload, request_id in zip(chunk, ids, strict=True)]
 
     def _replicated(self, result: list[Any], acked: int, wanted: int,
-                    submitted: Sequence[str]) -> bool:
+                    submitted: Sequence[str],
+                    replicas: connection.ReplicaCount | None = None) -> bool:
         """Whether an ADD_ONCE + WAIT is done: Overloaded if refused; a short WAIT is
         counted and means send again."""
         self._accepted(result, submitted)
         if acked >= wanted:
             return True
         self.short_waits += 1
-        self.replicas.short()
+        (replicas or self.replicas).short()
         return False
 
     def _add_arguments(self, entries: list[Any]) -> list[Any]:
-        assert self.max_backlog is not None
-        return add_arguments(self.group, self.max_backlog, entries)
+        limit = self._limit()
+        assert limit is not None
+        return add_arguments(self.group, limit, entries)
 
     def _limited_chunks(self, payloads: Sequence[Any], reply_to: str | None,
                         deadline_ms: int | None, priority: int) -> Iterator[tuple[list[str], Any]]:
@@ -157,7 +206,19 @@ class _Base:
             priority=priority)
 
     def reply_key(self, request_id: str) -> str:
-        return protocol.reply_key(self.namespace, request_id)
+        """The default reply key; on a cluster it names the shard the request went to,
+        known for requests this client submitted (else pass wait() the reply_to)."""
+        if self.cycle is None:
+            return protocol.reply_key(self.namespace, request_id)
+        try:
+            return self._reply_keys[request_id]
+        except KeyError:
+            raise RedbatchError(f"request {request_id} was not submitted by this client: on a "
+                                "Redis Cluster its reply key names its shard; pass reply_to"
+                                ) from None
+
+    def _forget(self, request_id: str) -> None:
+        self._reply_keys.pop(request_id, None)
 
     def new_reply_key(self) -> str:
         """A fresh shared reply key, for collecting many replies on one list."""
@@ -187,13 +248,16 @@ class Client(_Base):
         self.redis = redis_client or connection.sync_client(url, cluster)
         self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
         self._add_once = self.redis.register_script(ADD_ONCE)
+        self._shard_over(self.redis)
 
     def submit(self, payload: Any, *, request_id: str | None = None, reply_to: str | None = None,
                deadline_ms: int | None = None, priority: int = 0) -> str:
         """Enqueue one request; returns its id."""
         request_id = request_id or new_request_id()
         fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
-        if wanted := self.replicas.count(self.redis):
+        if self.cycle is not None:
+            self._submit_sharded([request_id], [fields], reply_to is None)
+        elif wanted := self.replicas.count(self.redis):
             self._add_replicated([request_id], [fields], wanted)
         elif self.max_backlog is None:
             self.redis.xadd(self.stream, fields)
@@ -205,8 +269,15 @@ class Client(_Base):
     def submit_many(self, payloads: Iterable[Any], *, reply_to: str | None = None,
                     deadline_ms: int | None = None, priority: int = 0) -> list[str]:
         """Enqueue many requests in pipelined round trips; returns their ids in order."""
-        if wanted := self.replicas.count(self.redis):
+        if self.cycle is not None:
             ids: list[str] = []
+            for chunk_ids, entries in self._chunks(list(payloads), reply_to, deadline_ms,
+                                                   priority):
+                self._submit_sharded(chunk_ids, entries, reply_to is None, ids)
+                ids += chunk_ids
+            return ids
+        if wanted := self.replicas.count(self.redis):
+            ids = []
             for chunk_ids, entries in self._chunks(list(payloads), reply_to, deadline_ms,
                                                    priority):
                 self._add_replicated(chunk_ids, entries, wanted, ids)
@@ -227,25 +298,83 @@ class Client(_Base):
         return ids
 
     def _add_replicated(self, ids: Sequence[str], entries: list[Any], wanted: int,
-                        submitted: Sequence[str] = ()) -> None:
-        """ADD_ONCE and WAIT on one connection (a plain pipeline); sent again while the
-        WAIT comes back short or the connection breaks (a failover), RESUBMITS times at
-        most. Past that the entries are on the master, not known to be on a replica."""
-        keys, args = self._once_call(ids, entries)
+                        submitted: Sequence[str] = (), shard: int | None = None) -> None:
+        """ADD_ONCE and WAIT on one connection (a plain pipeline; on a cluster, to the
+        shard's master); sent again while the WAIT comes back short or the connection
+        breaks (a failover), RESUBMITS times at most. Past that the entries are on the
+        master, not known to be on a replica."""
+        keys, args = self._once_call(ids, entries, shard)
+        replicas = self._replicas_of(shard)
+        fault: Exception | None = None
         for attempt in range(RESUBMITS + 1):
-            pipe = self.redis.pipeline(transaction=False)
-            self._add_once(keys=keys, args=args, client=pipe)
-            pipe.wait(wanted, self.replicas.timeout_ms)
+            if fault is not None:  # the slot table as it is now, not as at the fault
+                connection.follow_cluster(self.redis, fault)
             try:
+                node = connection.node_client(self.redis, keys[0])
+                pipe = node.pipeline(transaction=False)
+                self._add_once(keys=keys, args=args, client=pipe)
+                pipe.wait(wanted, replicas.timeout_ms)
                 result, acked = pipe.execute()
-                if self._replicated(result, acked, wanted, submitted):
+                if self._replicated(result, acked, wanted, submitted, replicas):
                     return
-                if not (wanted := self.replicas.count(self.redis)):
+                if not (wanted := replicas.count(connection.node_client(self.redis, keys[0]))):
                     return  # no replica left to wait for (AUTO, after a failover)
-            except RESUBMIT_ERRORS:
+            except redis.exceptions.AskError as exc:
+                if isinstance(exc, redis.exceptions.MovedError):
+                    if attempt == RESUBMITS:
+                        raise
+                    fault = exc
+                else:  # a slot mid-migration: through the cluster client (ASKING), no WAIT
+                    self.short_waits += 1
+                    self._accepted(self._add_once(keys=keys, args=args), submitted)
+                    return
+            except RESUBMIT_ERRORS as exc:
                 if attempt == RESUBMITS:
                     raise
+                fault = exc
             time.sleep(RESUBMIT_DELAY_S * 2**attempt)
+
+    def _submit_sharded(self, ids: Sequence[str], entries: list[Any], default_reply: bool,
+                        submitted: Sequence[str] = ()) -> None:
+        """Cluster: the requests spread over the shards round-robin; a shard over its share
+        of max_backlog passes its part on to the next shard, Overloaded when all are."""
+        assert self.cycle is not None
+        for shard, indices in self.cycle.spread(len(ids)).items():
+            group_ids = [ids[i] for i in indices]
+            placed = self._to_some_shard(shard, group_ids, [entries[i] for i in indices],
+                                         submitted)
+            if default_reply:
+                self._remember(group_ids, placed)
+            submitted = [*submitted, *group_ids]
+
+    def _to_some_shard(self, shard: int, ids: list[str], entries: list[Any],
+                       submitted: Sequence[str]) -> int:
+        """The shard that took the requests: `shard`, or the next with room."""
+        assert self.cycle is not None
+        backlog = 0
+        for candidate in self.cycle.after(shard):
+            try:
+                self._to_shard(candidate, ids, entries, submitted)
+                return candidate
+            except Overloaded as exc:
+                backlog = exc.backlog
+        assert self.max_backlog is not None
+        raise Overloaded(backlog, self.max_backlog, submitted)
+
+    def _to_shard(self, shard: int, ids: list[str], entries: list[Any],
+                  submitted: Sequence[str]) -> None:
+        stream = self._stream_of(shard)
+        replicas = self._replicas_of(shard)
+        if wanted := replicas.count(connection.node_client(self.redis, stream)):
+            self._add_replicated(ids, entries, wanted, submitted, shard)
+        elif self.max_backlog is None:
+            pipe = self.redis.pipeline(transaction=False)
+            for fields in entries:
+                pipe.xadd(stream, fields)
+            pipe.execute()
+        else:
+            self._accepted(self._add_if_under(keys=[stream], args=self._add_arguments(entries)),
+                           submitted)
 
     def _submit_many_under_limit(self, payloads: list[Any], reply_to: str | None,
                                  deadline_ms: int | None, priority: int) -> list[str]:
@@ -262,6 +391,7 @@ class Client(_Base):
         for block_s in block_slices(timeout):
             popped: Any = self.redis.blpop([key], timeout=block_s)
             if popped is not None:
+                self._forget(request_id)
                 return protocol.decode_envelope(popped[1])
         raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 

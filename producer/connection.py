@@ -188,6 +188,42 @@ def is_cluster_client(client: Any) -> bool:
     return isinstance(client, redis.RedisCluster | aioredis.RedisCluster)
 
 
+def master_count(client: Any) -> int:
+    """The masters of a cluster (1 for any other client)."""
+    return len(client.get_primaries()) if is_cluster_client(client) else 1
+
+
+def node_client(client: Any, key: str) -> Any:
+    """The connection pool of the master that serves `key`'s slot (the client itself when
+    it is not a cluster's): a write and its WAIT go on one connection of it, as WAIT only
+    counts the replicas that have that connection's writes. redis-py's cluster-level wait()
+    would go to whichever node it picks."""
+    if not is_cluster_client(client):
+        return client
+    return client.get_redis_connection(client.get_node_from_key(key))
+
+
+CLUSTER_FAULTS = (redis.exceptions.MovedError, redis.ConnectionError, redis.TimeoutError,
+                  redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+                  redis.exceptions.ReadOnlyError)
+
+
+def follow_cluster(client: Any, exc: Exception) -> None:
+    """After a fault on a node connection (node_client), let redis-py's slot table follow
+    the cluster, as RedisCluster does for its own commands: MOVED patches the slot's owner;
+    a lost or demoted node, or CLUSTERDOWN, has the table read again (best effort: the
+    caller retries with backoff)."""
+    if not is_cluster_client(client):
+        return
+    if isinstance(exc, redis.exceptions.MovedError):
+        client.nodes_manager.move_slot(exc)
+        return
+    try:
+        client.nodes_manager.initialize()
+    except (redis.RedisError, redis.exceptions.RedisClusterException):
+        pass  # no node answers yet: the next retry tries again
+
+
 AUTO = -1  # replicas_to_wait: 1 when the master has a connected replica, else 0
 AUTO_REFRESH_S = 30.0
 
@@ -202,8 +238,9 @@ def connected_replicas(info: dict[str, Any]) -> int:
 class ReplicaCount:
     """How many replicas a WAIT after each write asks for: the setting, or with AUTO one
     while the master has a connected replica (read again every AUTO_REFRESH_S and after a
-    short WAIT, so a failover to a master without replicas stops waiting). Cluster mode
-    does not WAIT (yet): 0."""
+    short WAIT, so a failover to a master without replicas stops waiting). On a cluster,
+    count() takes the node client of the write's slot (node_client), one ReplicaCount per
+    shard; given the cluster client itself it answers 0."""
 
     def __init__(self, configured: int, timeout_ms: int = 100) -> None:
         self.configured = configured

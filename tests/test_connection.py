@@ -33,7 +33,7 @@ from tests.conftest import (
     sentinel_rig,
     wait_until,
 )
-from worker.app import StartupError, build_worker, connect
+from worker.app import StartupError, connect
 from worker.settings import load_settings
 
 
@@ -214,17 +214,21 @@ def test_cluster_mode_connects_through_a_seed(redis7: Path, tls_files: TlsFiles,
         client = connect(url, 100, cluster=True)
         assert isinstance(client, redis.RedisCluster) and len(client.get_primaries()) == 3
         producer = Client(url, "echo", cluster=True)
-        producer.submit({"a": 1})  # one stream key: a single-slot XADD
-        assert producer.replicas.count(producer.redis) == 0
-        assert client.xlen("redbatch:requests:echo") == 1
-        producer.close()
+        producer.submit({"a": 1})  # onto one of the model's shards (2 x 3 masters)
+        assert producer.cycle is not None and producer.cycle.count == 6
+        assert producer.replicas.count(producer.redis) == 0  # WAITs go to a node's client
+        assert sum(client.xlen(f"redbatch:requests:{{echo:{s}}}") for s in range(6)) == 1
+        assert not client.exists("redbatch:requests:echo")
         settings = load_settings(None, redis_url=url, redis_cluster=True, model="echo")
         from worker.commands.stats import run_stats
 
         assert run_stats(settings, None, None, True, 0.0, sleep=lambda _: None) == 0
         assert '"model": "echo", "length": 1' in capsys.readouterr().out
-        with pytest.raises(StartupError, match="cannot serve a Redis Cluster yet"):
-            build_worker(settings, client)
+        from tests.cluster_rig import cluster_worker
+
+        with cluster_worker(url):  # the sharded worker, over TLS too
+            assert producer.infer({"b": 2}, timeout=10) == {"b": 2}
+        producer.close()
         client.close()
 
 

@@ -46,6 +46,7 @@ from worker.streams.reader import StreamReader
 from worker.streams.reclaimer import Reclaimer
 from worker.streams.replier import Replier
 from worker.streams.server import RedisServer
+from worker.streams.sharding import sharded_parts
 from worker.streams.token_streams import TokenStreams
 
 log = structlog.get_logger("redbatch")
@@ -176,7 +177,13 @@ def generation_parts(settings: Settings, model: Model,
 
 def redis_parts(settings: Settings, client: redis.Redis,
                 describe: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
-    """The parts that talk to Redis (streams/), each on the model's request stream."""
+    """The parts that talk to Redis (streams/), each on the model's request stream; on a
+    Redis Cluster one of each per shard (streams/sharding.py)."""
+    if connection.is_cluster_client(client):
+        try:
+            return sharded_parts(settings, client, describe)
+        except ValueError as exc:  # a brace in a name, a bad published shard count
+            raise StartupError(str(exc)) from None
     name = settings.model_name
     stream = protocol.stream_key(settings.namespace, name)
     group, consumer = settings.group, settings.consumer
@@ -227,10 +234,10 @@ def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence
 
 def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     """Load the model, assemble the worker, and warm it up."""
-    if settings.redis_cluster:  # its scripts' keys span slots: sharding (issue 14 D) first
-        raise StartupError("the worker cannot serve a Redis Cluster yet (its keys are not "
-                           "hash-tagged); redis_cluster works for the producer and stats only")
     model, device = load_model(settings)
+    if settings.redis_cluster and model.generative:  # token streams are not sharded yet
+        raise StartupError(f"model {settings.model!r} is generative: generative models "
+                           "cannot serve a Redis Cluster yet (docs/deploy.md)")
     worker = assemble_worker(settings, model, Executor(model, device), client,
                              calibrated=load_batch_sizes(settings, device))
     if settings.warmup:

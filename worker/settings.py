@@ -32,6 +32,9 @@ class Settings(BaseSettings):
         "Redis to serve: redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/service"
         "[/db] or rediss+sentinel://; none starts an embedded one"))
     redis_cluster: bool = Field(False, description="redis_url is a seed node of a Redis Cluster")
+    shards: int = Field(0, ge=0, description=(
+        "Redis Cluster: streams per model; 0: the count published at <namespace>:shards:"
+        "<model>, else 2 x the masters. A larger count than the published one raises it"))
     replicas_to_wait: int = Field(-1, ge=-1, description=(
         "WAIT for this many replicas after each reply + ack; -1: 1 while the master has a "
         "connected replica, else 0; 0 disables"))

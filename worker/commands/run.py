@@ -74,7 +74,7 @@ def serve(settings: Settings) -> int:
     readiness = Readiness()
     serve_metrics(settings, readiness)  # first, so /healthz answers while the model loads
     with redis_url(settings) as url:
-        client = connect(url, settings.block_ms)
+        client = connect(url, settings.block_ms, cluster=settings.redis_cluster)
         worker = build_worker(settings, client)
         freeze_heap()
         sampler = Sampler(worker, client).start()

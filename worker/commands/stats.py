@@ -98,7 +98,24 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
                               describe_latency(consumer.latency))
     if not rows:
         models.caption = "no request streams yet"
+    if any(stats.shards for stats, _ in rows):
+        return Group(models, consumers, shard_table(rows))
     return Group(models, consumers)
+
+
+def shard_table(rows: list[tuple[StreamStats, float | None]]) -> Table:
+    """On a Redis Cluster: each shard of each model, and the master that holds it."""
+    table = Table(title="shards (Redis Cluster)", title_justify="left")
+    table.add_column("model", no_wrap=True)
+    table.add_column("shard", justify="right")
+    table.add_column("node", no_wrap=True)
+    for column in ("length", "lag", "pending", "dead"):
+        table.add_column(column, justify="right")
+    for stats, _ in rows:
+        for shard in stats.shards:
+            table.add_row(stats.model, str(shard.shard), shard.node, str(shard.length),
+                          str(shard.lag), str(shard.pending), str(shard.dead_letters))
+    return table
 
 
 def to_json(rows: list[tuple[StreamStats, float | None]]) -> dict[str, Any]:

@@ -27,10 +27,8 @@ from worker.pipeline.token_answers import routed_error
 from worker.policy.batching import Batcher, Pending
 from worker.policy.flow import claims_first, entry_time_ms, is_past_deadline
 from worker.policy.targeted import TargetedDispatch
-from worker.streams.dead_letters import DeadLetters
-from worker.streams.reader import Entry, StreamReader
-from worker.streams.reclaimer import Reclaimer
-from worker.streams.replier import Replier
+from worker.streams.reader import Entry
+from worker.streams.sharding import AnyDeadLetters, AnyReader, AnyReclaimer, AnyReplier
 
 log = structlog.get_logger("redbatch.worker")
 
@@ -53,8 +51,8 @@ class IntakeConfig:
 
 
 class Intake:
-    def __init__(self, config: IntakeConfig, model: Model, reader: StreamReader,
-                 reclaimer: Reclaimer, dead_letters: DeadLetters, replier: Replier,
+    def __init__(self, config: IntakeConfig, model: Model, reader: AnyReader,
+                 reclaimer: AnyReclaimer, dead_letters: AnyDeadLetters, replier: AnyReplier,
                  batcher: Batcher, inflight: InFlight, answers: AnswerQueue,
                  retry: RedisRetry, targeted: TargetedDispatch) -> None:
         """`targeted`: predicts, at read time, whether a request can still be served in time."""
@@ -71,12 +69,16 @@ class Intake:
         self.targeted = targeted
 
     def run(self, stopping: threading.Event) -> None:
-        """Read until stopping; then tell the compute loops nothing more will come."""
+        """Read until stopping; then tell the compute loops nothing more will come (what
+        a sharded reader's threads read meanwhile is admitted first, and answered)."""
         try:
             while not stopping.is_set():
                 room = self.inflight.wait_for_room(self.reader.draining_own_pending, stopping)
                 if room:
                     self.admit(self.retry(self.next_entries, room))
+            left = self.reader.close()
+            if left:
+                self.admit(left)
         finally:
             self.inflight.stop_reading()
 

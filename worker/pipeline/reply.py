@@ -2,11 +2,14 @@
 
 It runs in the `redbatch-replier` thread. It never reads the request stream and never runs
 the model: it takes answers from the queue, and its one Redis call per round is the
-replier's ownership-checked reply-and-ack script.
+replier's ownership-checked reply-and-ack script. On a Redis Cluster, answers for a shard
+whose master fails (a failover) are held back and sent again after a backoff (a timer puts
+an empty round on the queue), so the other shards' replies do not wait for that master.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -17,17 +20,19 @@ from producer.protocol import ErrorCode
 from worker.observe import metrics
 from worker.pipeline.answers import Answer, AnswerQueue
 from worker.pipeline.inflight import InFlight
-from worker.pipeline.retry import RedisRetry
+from worker.pipeline.retry import RedisRetry, ShutdownExpired
 from worker.policy.flow import end_to_end_s
 from worker.policy.latency import LatencyPolicy
-from worker.streams.replier import Replier, Reply
+from worker.streams.replier import Reply
+from worker.streams.shard_replies import ShardedReplier
+from worker.streams.sharding import AnyReplier
 from worker.streams.token_streams import Chunk, FinalChunk, TokenStreams
 
 log = structlog.get_logger("redbatch.worker")
 
 
 class ReplyWriter:
-    def __init__(self, model_name: str, replier: Replier, inflight: InFlight,
+    def __init__(self, model_name: str, replier: AnyReplier, inflight: InFlight,
                  answers: AnswerQueue, retry: RedisRetry,
                  latency: LatencyPolicy | None = None,
                  streams: TokenStreams | None = None) -> None:
@@ -40,16 +45,27 @@ class ReplyWriter:
         self.retry = retry
         self.latency = latency
         self.streams = streams
+        self.deferred: list[Answer] = []  # a cluster shard's answers, while its master fails
 
     def run(self) -> None:
-        """Write until the answer queue is closed."""
+        """Write until the answer queue is closed (then what a failing shard held back)."""
         while (answers := self.answers.next()) is not None:
             self.write(answers)
+        while self.deferred:
+            if self.retry.grace.left() <= 0:
+                raise ShutdownExpired
+            assert isinstance(self.replier, ShardedReplier)
+            time.sleep(self.replier.next_retry_s())
+            self.write([])
 
     def write(self, answers: list[Answer]) -> None:
+        answers, self.deferred = self.deferred + answers, []
         replies = [encode(answer) for answer in answers]
         pairs = list(zip(answers, replies, strict=True))
-        dropped = set(self.retry(self.replier.send, [r for a, r in pairs if not a.stream_index]))
+        dropped, deferred = self._send([r for a, r in pairs if not a.stream_index])
+        if deferred:
+            self._defer([a for a in answers if a.entry_id in deferred])
+            answers = [a for a in answers if a.entry_id not in deferred]
         finals = [FinalChunk(r.entry_id, Chunk(r.reply_key, a.stream_index, r.envelope))
                   for a, r in pairs if a.stream_index]
         if finals:
@@ -69,6 +85,21 @@ class ReplyWriter:
             self._observe_latency(written_ms, answered, latencies_s)
         # dropped ones are freed too: they are no longer ours
         self.inflight.release(a.entry_id for a in answers)
+
+    def _send(self, replies: list[Reply]) -> tuple[set[str], set[str]]:
+        """(dropped, deferred) entry ids; only a sharded replier defers."""
+        if isinstance(self.replier, ShardedReplier):
+            dropped, deferred = self.retry(self.replier.send_available, replies)
+            return set(dropped), set(deferred)
+        return set(self.retry(self.replier.send, replies)), set()
+
+    def _defer(self, answers: list[Answer]) -> None:
+        """Hold these answers (still in flight) and wake the thread when they are due."""
+        assert isinstance(self.replier, ShardedReplier)
+        self.deferred = answers
+        timer = threading.Timer(self.replier.next_retry_s(), self.answers.put, args=([],))
+        timer.daemon = True
+        timer.start()
 
     def _observe_latency(self, written_ms: float, answered: list[Answer],
                          latencies_s: list[float]) -> None:

@@ -36,11 +36,8 @@ from worker.policy.governor import Governor
 from worker.policy.layout import Layout
 from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
-from worker.streams.dead_letters import DeadLetters
 from worker.streams.maintenance import Maintenance
-from worker.streams.reader import StreamReader
-from worker.streams.reclaimer import Reclaimer
-from worker.streams.replier import Replier
+from worker.streams.sharding import AnyDeadLetters, AnyReader, AnyReclaimer, AnyReplier
 
 log = structlog.get_logger("redbatch.worker")
 
@@ -49,10 +46,10 @@ log = structlog.get_logger("redbatch.worker")
 class Parts:
     """Everything the worker wires together, built by the composition root (app.py)."""
 
-    reader: StreamReader
-    replier: Replier
-    reclaimer: Reclaimer
-    dead_letters: DeadLetters
+    reader: AnyReader  # on a Redis Cluster, the sharded twins (streams/sharding.py)
+    replier: AnyReplier
+    reclaimer: AnyReclaimer
+    dead_letters: AnyDeadLetters
     maintenance: Maintenance
     batcher: Batcher
     governor: Governor

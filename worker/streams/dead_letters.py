@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import structlog
@@ -20,6 +20,10 @@ from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry
 from worker.observe import metrics
 from worker.streams.reader import Entry, Fields, as_text, is_group_lost
+from worker.streams.replier import Reply
+
+if TYPE_CHECKING:
+    from worker.streams.shard_replies import ForeignReplies
 
 log = structlog.get_logger("redbatch.deadletter")
 DEAD_LETTER_MAXLEN = 100_000  # approximate cap on the dead-letter stream
@@ -128,6 +132,7 @@ class DeadLetters:
         self.result_ttl_ms = result_ttl_ms
         self.max_payload_bytes = max_payload_bytes
         self._move = client.register_script(MOVE_TO_DEAD)
+        self.foreign: ForeignReplies | None = None  # on a cluster (shard_upkeep.py)
 
     def divert(self, entries: Sequence[Entry]) -> list[Entry]:
         """Move the poison ones among redelivered entries; return those still to serve.
@@ -166,6 +171,7 @@ class DeadLetters:
         keys: list[str] = [self.stream, self.dead_stream]
         args: list[str | bytes | int] = [self.group, self.consumer, self.result_ttl_ms,
                                          DEAD_LETTER_MAXLEN]
+        foreign: list[Reply] = []
         for entry in entries:
             reason = (f"delivered {counts[entry.id]} times without an answer (max_deliveries "
                       f"{self.max_deliveries}): a worker crashed or hung on it each time")
@@ -175,13 +181,28 @@ class DeadLetters:
                 request_id, reply_key, content_type = target
                 envelope = protocol.encode(protocol.error_envelope(
                     request_id, ErrorCode.DEAD_LETTER, reason), content_type)
-            keys.append(target[1] if target else "")
+            keys.append(self._reply_key(target[1] if target else "", entry.id, envelope,
+                                        foreign))
             args += (entry.id, counts[entry.id], reason, envelope)
+        if foreign and self.foreign is not None:
+            self.foreign.push(self.stream, foreign)
         moved = [as_text(m) for m in self._move(keys=keys, args=args)]
         metrics.REQUESTS.labels(self.model_name, ErrorCode.DEAD_LETTER.value).inc(len(moved))
         metrics.DEAD_LETTERS.labels(self.model_name).inc(len(moved))
         log.warning("entries.dead_lettered", entry_ids=moved, dead_letter_stream=self.dead_stream)
         return moved
+
+    def _reply_key(self, key: str, entry_id: str, envelope: bytes,
+                   foreign: list[Reply]) -> str:
+        """The reply key the script pushes to. On a cluster every key must be in the
+        stream's slot: none is the stream itself (its LPUSH fails, so nothing is pushed),
+        and a key in another slot is pushed once by ForeignReplies instead."""
+        if self.foreign is None:
+            return key
+        if key and protocol.key_slot(key) != protocol.key_slot(self.stream):
+            foreign.append(Reply(entry_id, key, envelope))
+            return self.stream
+        return key or self.stream
 
 
 def list_dead_letters(client: redis.Redis, dead_stream: str, count: int) -> list[DeadLetter]:

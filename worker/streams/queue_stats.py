@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import redis
 
-from producer import protocol
-from producer.backlog import BACKLOG
+from producer import connection, protocol
+from producer.backlog import BACKLOG, published_shards
 from worker.streams.reader import as_text
 
 LAG_COUNT_CAP = 100_000
@@ -31,6 +31,18 @@ class ConsumerStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ShardStats:
+    """One shard of a model's queue on a Redis Cluster, and the master that holds it."""
+
+    shard: int
+    node: str
+    length: int
+    lag: int
+    pending: int
+    dead_letters: int
+
+
+@dataclass(frozen=True, slots=True)
 class StreamStats:
     model: str
     length: int
@@ -40,6 +52,7 @@ class StreamStats:
     dead_letters: int
     consumers: list[ConsumerStats] = field(default_factory=list)
     lag_capped: bool = False  # counted on Redis 6.2 and stopped at LAG_COUNT_CAP
+    shards: list[ShardStats] = field(default_factory=list)  # on a cluster: each shard
 
     @property
     def backlog(self) -> int:
@@ -54,7 +67,10 @@ def discover_models(client: redis.Redis, namespace: str) -> list[str]:
     """Models with a request stream in this namespace."""
     prefix = protocol.stream_key(namespace, "")
     keys = client.scan_iter(match=f"{prefix}*", count=1000, _type="STREAM")
-    return sorted(as_text(key)[len(prefix):] for key in keys)
+    names = {as_text(key)[len(prefix):] for key in keys}
+    if connection.is_cluster_client(client):  # {<model>:<shard>}
+        names = {n[1:-1].rpartition(":")[0] for n in names if n[:1] == "{" and ":" in n}
+    return sorted(names)
 
 
 def count_undelivered(client: redis.Redis, stream: str, group: str, pending: int,
@@ -67,13 +83,44 @@ def count_undelivered(client: redis.Redis, stream: str, group: str, pending: int
 
 def read_stream_stats(client: redis.Redis, namespace: str, model: str,
                       group: str) -> StreamStats:
-    """One snapshot of the model's queue; a missing stream or group reads as empty."""
-    stream = protocol.stream_key(namespace, model)
+    """One snapshot of the model's queue; a missing stream or group reads as empty. On a
+    cluster, the shards summed, each shard in `shards`."""
+    if connection.is_cluster_client(client):
+        return read_sharded_stats(client, namespace, model, group)
+    return _read(client, model, group, protocol.stream_key(namespace, model),
+                 protocol.answered_key(namespace, model),
+                 protocol.dead_letter_key(namespace, model),
+                 protocol.workers_key(namespace, model))
+
+
+def read_sharded_stats(client: Any, namespace: str, model: str, group: str) -> StreamStats:
+    count = published_shards(client.get(protocol.shards_key(namespace, model))) or 0
+    parts = [_read(client, model, group, protocol.shard_stream_key(namespace, model, s),
+                   protocol.shard_answered_key(namespace, model, s),
+                   protocol.shard_dead_letter_key(namespace, model, s),
+                   protocol.workers_key(namespace, model)) for s in range(count)]
+    consumers: dict[str, ConsumerStats] = {}
+    for part in parts:
+        for c in part.consumers:
+            known = consumers.get(c.name)
+            consumers[c.name] = c if known is None else replace(
+                known, pending=known.pending + c.pending, idle_ms=min(known.idle_ms, c.idle_ms))
+    shards = [ShardStats(s, client.get_node_from_key(
+        protocol.shard_stream_key(namespace, model, s)).name, p.length, p.lag, p.pending,
+        p.dead_letters) for s, p in enumerate(parts)]
+    return StreamStats(model, sum(p.length for p in parts), sum(p.lag for p in parts),
+                       sum(p.pending for p in parts), sum(p.answered for p in parts),
+                       sum(p.dead_letters for p in parts), list(consumers.values()),
+                       any(p.lag_capped for p in parts), shards)
+
+
+def _read(client: Any, model: str, group: str, stream: str, answered_key: str,
+          dead_key: str, workers_key: str) -> StreamStats:
     pipe = client.pipeline(transaction=False)
     pipe.xlen(stream)
-    pipe.get(protocol.answered_key(namespace, model))
-    pipe.xlen(protocol.dead_letter_key(namespace, model))
-    pipe.hgetall(protocol.workers_key(namespace, model))
+    pipe.get(answered_key)
+    pipe.xlen(dead_key)
+    pipe.hgetall(workers_key)
     length, answered, dead, workers = pipe.execute()
     info = next((g for g in _groups(client, stream) if as_text(g["name"]) == group), None)
     if info is None:

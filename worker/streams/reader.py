@@ -57,6 +57,34 @@ class StreamReader:
             self.ensure_group()  # Redis restarted without persistence, or was flushed
             return []
 
+    def read_own_pending(self) -> list[Entry]:
+        """One of this consumer's pending entries (no wait); none left ends the drain."""
+        entries = self._guarded("0", 1, None)
+        if not entries:
+            self.draining_own_pending = False
+        return entries
+
+    def read_pending_after(self, after: str, count: int) -> list[Entry]:
+        """Up to `count` of this consumer's pending entries with ids past `after` (no wait)."""
+        return self._guarded(after, count, None)
+
+    def read_new(self, count: int, block_ms: int) -> list[Entry]:
+        """Up to `count` new entries, blocking up to `block_ms` (a shard's reader thread)."""
+        return self._guarded(">", count, block_ms)
+
+    def _guarded(self, start: str, count: int, block_ms: int | None) -> list[Entry]:
+        try:
+            return self._xreadgroup(start, count, block_ms)
+        except redis.ResponseError as exc:
+            if not is_group_lost(exc):
+                raise
+            self.ensure_group()
+            return []
+
+    def close(self) -> list[Entry]:
+        """Entries read but not yet handed out: none here (the sharded reader has some)."""
+        return []
+
     def _read(self, count: int, block_ms: int) -> list[Entry]:
         if self.draining_own_pending:
             entries = self._xreadgroup("0", 1, None)

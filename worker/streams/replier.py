@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import redis
 import structlog
 
+from producer import connection
 from producer.connection import ReplicaCount
 from worker.observe import metrics
 from worker.streams.reader import as_text, is_group_lost
 
 log = structlog.get_logger("redbatch.replier")
+MOVED_RETRIES = 3  # a slot that moves again each time: TRYAGAIN, for RedisRetry's backoff
 
 REPLY_AND_ACK = """
 -- KEYS[1] stream, KEYS[2] answered counter, KEYS[3..n+2] reply keys
@@ -28,6 +30,8 @@ REPLY_AND_ACK = """
 -- come back forever)}.
 -- Per entry it costs one LPUSH, plus one PEXPIRE per distinct reply key: ownership is read
 -- with one XPENDING over the range of the ids, and the answered ones go in one XACK.
+-- On a cluster, an entry whose reply key is in another slot was answered by ForeignReplies
+-- (shard_replies.py) and comes with the stream as its key and an empty envelope: ack only.
 local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local n = #KEYS - 2
 
@@ -58,16 +62,19 @@ for i = 1, n do
   local id, key = ARGV[2 * i + 2], KEYS[i + 2]
   if owned[id] then
     owned[id] = nil  -- an id given twice is answered once
-    local pushed = redis.pcall('LPUSH', key, ARGV[2 * i + 3])
-    if type(pushed) == 'table' and pushed.err then
-      if not string.find(pushed.err, 'WRONGTYPE', 1, true) then
-        -- e.g. OOM under noeviction: refused at the first write, so nothing is written
-        return redis.error_reply(pushed.err)
+    local envelope = ARGV[2 * i + 3]
+    if key ~= stream or envelope ~= '' then  -- else answered on another node: ack only
+      local pushed = redis.pcall('LPUSH', key, envelope)
+      if type(pushed) == 'table' and pushed.err then
+        if not string.find(pushed.err, 'WRONGTYPE', 1, true) then
+          -- e.g. OOM under noeviction: refused at the first write, so nothing is written
+          return redis.error_reply(pushed.err)
+        end
+        undeliverable[#undeliverable + 1] = id
+      elseif not expiring[key] then
+        redis.call('PEXPIRE', key, ttl)
+        expiring[key] = true
       end
-      undeliverable[#undeliverable + 1] = id
-    elseif not expiring[key] then
-      redis.call('PEXPIRE', key, ttl)
-      expiring[key] = true
     end
     acked[#acked + 1] = id
   else
@@ -128,13 +135,30 @@ class Replier:
 
     def _write(self, keys: list[str], args: list[str | bytes | int]) -> list[list[bytes]]:
         """The script, then (when replicas are wanted) WAIT on the same connection: a plain
-        pipeline. A short WAIT is counted; the entries are acked on the master all the same
-        (replication is asynchronous: WAIT narrows the window of loss, it cannot close it)."""
-        wanted = self.replicas.count(self.client)
+        pipeline, on a cluster to the stream's master (connection.node_client). A short WAIT
+        is counted; the entries are acked on the master all the same (replication is
+        asynchronous: WAIT narrows the window of loss, it cannot close it)."""
+        for _ in range(MOVED_RETRIES):
+            try:
+                return self._write_once(keys, args)
+            except redis.exceptions.MovedError as exc:  # the cluster client follows its own
+                connection.follow_cluster(self.client, exc)
+            except redis.exceptions.AskError:  # a slot mid-migration: redis-py sends ASKING
+                metrics.REPLICATION_SHORT.labels(self.model_name).inc()  # no WAIT this once
+                result: list[list[bytes]] = self._script(keys=keys, args=args)
+                return result
+            except connection.CLUSTER_FAULTS as exc:
+                connection.follow_cluster(self.client, exc)
+                raise
+        raise redis.exceptions.TryAgainError(f"{self.stream}: its slot keeps moving")
+
+    def _write_once(self, keys: list[str], args: list[str | bytes | int]) -> list[list[bytes]]:
+        node = connection.node_client(self.client, self.stream)
+        wanted = self.replicas.count(node)
         if not wanted:
             result: list[list[bytes]] = self._script(keys=keys, args=args)
             return result
-        pipe = self.client.pipeline(transaction=False)
+        pipe = node.pipeline(transaction=False)
         self._script(keys=keys, args=args, client=pipe)
         pipe.wait(wanted, self.replicas.timeout_ms)
         result, acked = pipe.execute()
