@@ -5,8 +5,11 @@ or cluster here, so they are parsed, not run.)
 They are also held to their real schemas, offline: the Kubernetes objects to the official
 OpenAPI-derived JSON schemas that `kubernetes-validate` ships (strict: unknown fields fail), the
 compose files to the Compose Specification's JSON schema that `check-jsonschema` vendors. KEDA's
-ScaledObject (a CRD) and the Kustomization (a kustomize file, not an API object) are in neither:
-they are checked field by field against the fields KEDA and kustomize define."""
+ScaledObject and TriggerAuthentication (CRDs) and the Kustomization (a kustomize file, not an API
+object) are in neither: they are checked field by field against the fields KEDA and kustomize
+define; the ObjectMeta of KEDA's objects, and the HPA KEDA makes of a ScaledObject, go to
+Kubernetes' schemas. That covers the single-Redis ScaledObject and the Cluster and Sentinel ones in
+deploy/k8s/cluster/ and deploy/k8s/sentinel/."""
 
 from __future__ import annotations
 
@@ -662,9 +665,18 @@ def metadata_bool(value: Any) -> str | None:  # Go's strconv.ParseBool
                           "false", "False") else f"must hold a boolean, not {value!r}")
 
 
-# KEDA's redis-streams scaler (docs: scalers/redis-streams; pkg/scalers/redis_streams_scaler.go
-# and the connection fields of redis_scaler.go). KEDA ignores keys it does not know, so a
-# misspelt one would silently fall back to a default: here it fails.
+# KEDA's redis-streams scalers (docs: scalers/redis-streams, redis-cluster-streams and
+# redis-sentinel-streams; pkg/scalers/redis_streams_scaler.go and the connection fields of
+# redis_scaler.go). KEDA ignores keys it does not know, so a misspelt one would silently fall
+# back to a default: here it fails.
+STREAM_TARGETS: Spec = {  # what to scale on: the same for the three
+    "stream!": metadata_string,
+    "consumerGroup": metadata_string,
+    "pendingEntriesCount": metadata_int,  # consumerGroup, no lagCount: XPENDING count
+    "lagCount": metadata_int,  # consumerGroup: the group's lag (Redis 7+)
+    "streamLength": metadata_int,  # no consumerGroup: XLEN
+    "activationLagCount": metadata_int,  # active (0 -> 1 replica) above this count
+}
 REDIS_STREAMS_METADATA: Spec = {
     # where Redis is: address (host:port), or host and port; each value may instead be read
     # from an environment variable of the scale target's container (...FromEnv)
@@ -674,26 +686,66 @@ REDIS_STREAMS_METADATA: Spec = {
     "username": metadata_string, "usernameFromEnv": metadata_string,
     "password": metadata_string, "passwordFromEnv": metadata_string,
     "databaseIndex": metadata_int, "enableTLS": metadata_bool, "unsafeSsl": metadata_bool,
-    # what to scale on
-    "stream!": metadata_string,
-    "consumerGroup": metadata_string,
-    "pendingEntriesCount": metadata_int,  # consumerGroup, no lagCount: XPENDING count
-    "lagCount": metadata_int,  # consumerGroup: the group's lag (Redis 7+)
-    "streamLength": metadata_int,  # no consumerGroup: XLEN
-    "activationLagCount": metadata_int,  # active (0 -> 1 replica) above this count
+    **STREAM_TARGETS,
 }
-TRIGGER_METADATA: dict[str, Spec] = {"redis-streams": REDIS_STREAMS_METADATA}
+# A cluster's nodes, or the sentinels: comma-separated lists (addresses, or hosts and ports)
+MULTI_ADDRESS_METADATA: Spec = {
+    "addresses": metadata_string, "addressesFromEnv": metadata_string,
+    "hosts": metadata_string, "hostsFromEnv": metadata_string,
+    "ports": metadata_string, "portsFromEnv": metadata_string,
+    "username": metadata_string, "usernameFromEnv": metadata_string,
+    "password": metadata_string, "passwordFromEnv": metadata_string,
+    "databaseIndex": metadata_int, "enableTLS": metadata_bool, "unsafeSsl": metadata_bool,
+}
+REDIS_CLUSTER_STREAMS_METADATA: Spec = {**MULTI_ADDRESS_METADATA, **STREAM_TARGETS}
+REDIS_SENTINEL_STREAMS_METADATA: Spec = {
+    **MULTI_ADDRESS_METADATA,
+    # the master's name, and the sentinels' own credentials (the master's are username/password)
+    "sentinelMaster": metadata_string, "sentinelMasterFromEnv": metadata_string,
+    "sentinelUsername": metadata_string, "sentinelUsernameFromEnv": metadata_string,
+    "sentinelPassword": metadata_string, "sentinelPasswordFromEnv": metadata_string,
+    **STREAM_TARGETS,
+}
+TRIGGER_METADATA: dict[str, Spec] = {
+    "redis-streams": REDIS_STREAMS_METADATA,
+    "redis-cluster-streams": REDIS_CLUSTER_STREAMS_METADATA,
+    "redis-sentinel-streams": REDIS_SENTINEL_STREAMS_METADATA,
+}
+# The parameters each scaler reads from a TriggerAuthentication (its authParams); any other is
+# ignored. tls/ca/cert/key/keyPassword: TLS, set there instead of enableTLS.
+TLS_AUTH_PARAMS = {"tls", "ca", "cert", "key", "keyPassword"}
+TRIGGER_AUTH_PARAMS: dict[str, set[str]] = {
+    "redis-streams": {"address", "host", "port", "username", "password"} | TLS_AUTH_PARAMS,
+    "redis-cluster-streams": {"addresses", "hosts", "ports", "username", "password"}
+    | TLS_AUTH_PARAMS,
+    "redis-sentinel-streams": {"addresses", "hosts", "ports", "username", "password",
+                               "sentinelMaster", "sentinelUsername", "sentinelPassword"}
+    | TLS_AUTH_PARAMS,
+}
 
 
-def redis_streams_errors(meta: dict[str, str], where: str) -> list[str]:
-    """What KEDA would refuse, or silently ignore, in a redis-streams trigger's metadata."""
+def redis_streams_errors(meta: dict[str, str], where: str, kind: str = "redis-streams",
+                         auth_params: frozenset[str] = frozenset()) -> list[str]:
+    """What KEDA would refuse, or silently ignore, in a redis*-streams trigger's metadata.
+    auth_params: the parameters its TriggerAuthentication gives."""
     errors = []
     has = {name for name in meta if not name.endswith("FromEnv")}
     has |= {name.removesuffix("FromEnv") for name in meta if name.endswith("FromEnv")}
-    if "address" in has and has & {"host", "port"}:
-        errors.append(f"{where}: address and host/port both set: set one")
-    elif "address" not in has and not {"host", "port"} <= has:
-        errors.append(f"{where}: no Redis to read: set address, or host and port (or ...FromEnv)")
+    errors += [f"{where}.{name}: set here and in the TriggerAuthentication: set one"
+               for name in sorted(has & auth_params)]
+    has |= auth_params
+    address, host, port = (("address", "host", "port") if kind == "redis-streams" else
+                           ("addresses", "hosts", "ports"))
+    if address in has and has & {host, port}:
+        errors.append(f"{where}: {address} and {host}/{port} both set: set one")
+    elif address not in has and not {host, port} <= has:
+        errors.append(f"{where}: no Redis to read: set {address}, or {host} and {port} "
+                      "(or ...FromEnv, or a TriggerAuthentication parameter)")
+    if kind == "redis-sentinel-streams" and "sentinelMaster" not in has:
+        errors.append(f"{where}.sentinelMaster: required: the sentinels are asked for this "
+                      "master (or sentinelMasterFromEnv, or a TriggerAuthentication parameter)")
+    if "enableTLS" in meta and "tls" in auth_params:
+        errors.append(f"{where}.enableTLS: KEDA refuses it with the TriggerAuthentication's tls")
     if "consumerGroup" in meta:
         if "streamLength" in meta:
             errors.append(f"{where}.streamLength: ignored when consumerGroup is set")
@@ -707,10 +759,46 @@ def redis_streams_errors(meta: dict[str, str], where: str) -> list[str]:
     return errors
 
 
-def scaled_object_errors(scaled: dict[str, Any], container_env: set[str]) -> list[str]:
+# KEDA's TriggerAuthentication (keda.sh/v1alpha1, apis/keda/v1alpha1/
+# triggerauthentication_types.go): where a trigger's secrets come from.
+TRIGGER_AUTHENTICATION = ("keda.sh/v1alpha1", "TriggerAuthentication")
+TARGET_REF: Spec = {"parameter!": str, "name!": str, "key!": str}
+TRIGGER_AUTHENTICATION_SPEC: Spec = {
+    "apiVersion!": one_of(TRIGGER_AUTHENTICATION[0]), "kind!": one_of(TRIGGER_AUTHENTICATION[1]),
+    # Kubernetes' ObjectMeta: checked against its schema (object_meta_errors)
+    "metadata!": lambda meta: None if isinstance(meta, dict) and meta.get("name") else
+    "must be a mapping with a name",
+    "spec!": {
+        "secretTargetRef": [TARGET_REF], "configMapTargetRef": [TARGET_REF],
+        "env": [{"parameter!": str, "name!": str, "containerName": str}],
+        "podIdentity": dict, "hashiCorpVault": dict, "azureKeyVault": dict,
+        "gcpSecretManager": dict, "awsSecretManager": dict, "boundServiceAccountToken": list,
+    },
+}
+
+
+def auth_parameters(authentication: dict[str, Any]) -> list[str]:
+    """The parameters a TriggerAuthentication gives its triggers (from Secrets, ConfigMaps and
+    the scale target's environment)."""
+    spec = authentication.get("spec") or {}
+    return [ref.get("parameter") for kind in ("secretTargetRef", "configMapTargetRef", "env")
+            for ref in spec.get(kind) or [] if isinstance(ref, dict)]
+
+
+def trigger_authentication_errors(authentication: dict[str, Any]) -> list[str]:
+    errors = check_fields(authentication, TRIGGER_AUTHENTICATION_SPEC, "TriggerAuthentication")
+    parameters = auth_parameters(authentication)
+    errors += [f"TriggerAuthentication.spec: parameter {p!r} is given twice"
+               for p in sorted(set(parameters)) if parameters.count(p) > 1]
+    return errors
+
+
+def scaled_object_errors(scaled: dict[str, Any], container_env: set[str],
+                         authentications: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Every wrong, missing or misspelt field of a ScaledObject, each message naming it.
     container_env: the environment variables of the scale target's container, which KEDA
-    reads ...FromEnv values from."""
+    reads ...FromEnv values from; authentications: the TriggerAuthentications by name."""
+    authentications = authentications or {}
     errors = check_fields(scaled, SCALED_OBJECT_SPEC, "ScaledObject")
     spec = scaled.get("spec")
     if not isinstance(spec, dict):
@@ -722,21 +810,39 @@ def scaled_object_errors(scaled: dict[str, Any], container_env: set[str]) -> lis
     if isinstance(idle, int) and isinstance(minimum, int) and idle >= minimum:
         errors.append("ScaledObject.spec.idleReplicaCount: must be below minReplicaCount")
     triggers = spec.get("triggers") if isinstance(spec.get("triggers"), list) else []
+    names = [t["name"] for t in triggers if isinstance(t, dict) and "name" in t]
+    errors += [f"ScaledObject.spec.triggers: name {n!r} is used twice"
+               for n in sorted(set(names)) if names.count(n) > 1]
     for i, trigger in enumerate(t for t in triggers if isinstance(t, dict)):
         where = f"ScaledObject.spec.triggers[{i}]"
         if "fallback" in spec and trigger.get("metricType") == "Value":
             errors.append(f"{where}.metricType: fallback works only with AverageValue")
-        meta_spec = TRIGGER_METADATA.get(trigger.get("type", ""))
+        kind = trigger.get("type", "")
+        meta_spec = TRIGGER_METADATA.get(kind)
         if meta_spec is None:
-            errors.append(f"{where}.type: no field list for {trigger.get('type')!r} here: add "
+            errors.append(f"{where}.type: no field list for {kind!r} here: add "
                           "the fields KEDA documents for it to TRIGGER_METADATA")
             continue
+        auth_params: frozenset[str] = frozenset()
+        ref = trigger.get("authenticationRef")
+        if isinstance(ref, dict) and ref.get("kind", "TriggerAuthentication") == \
+                "TriggerAuthentication":
+            authentication = authentications.get(ref.get("name", ""))
+            if authentication is None:
+                errors.append(f"{where}.authenticationRef.name: no TriggerAuthentication "
+                              f"{ref.get('name')!r} next to the ScaledObject")
+            else:
+                auth_params = frozenset(auth_parameters(authentication))
+                errors += [f"{where}.authenticationRef: parameter {p!r} of "
+                           f"{ref['name']} is not read by {kind}"
+                           for p in sorted(auth_params - TRIGGER_AUTH_PARAMS[kind])]
         meta = trigger.get("metadata", {})
         found = check_fields(meta, meta_spec, f"{where}.metadata")
         errors += found
         if found or not isinstance(meta, dict):
             continue
-        errors += redis_streams_errors(meta, f"{where}.metadata")
+        errors += redis_streams_errors(meta, f"{where}.metadata", kind,
+                                       auth_params & TRIGGER_AUTH_PARAMS[kind])
         errors += [f"{where}.metadata.{name}: {variable} is not set in the scale target's "
                    "container" for name, variable in meta.items()
                    if name.endswith("FromEnv") and variable not in container_env]
@@ -769,10 +875,13 @@ def keda_hpa(scaled: dict[str, Any]) -> dict[str, Any]:
             "metadata": scaled["metadata"], "spec": hpa_spec}
 
 
-def scale_target_env() -> set[str]:
+def scale_target_env(scaled: dict[str, Any] | None = None) -> set[str]:
+    """The environment of the container KEDA reads ...FromEnv values from (of the single-Redis
+    ScaledObject's target unless `scaled` is given)."""
     found = manifests()
     containers = found["Deployment"]["spec"]["template"]["spec"]["containers"]
-    name = found["ScaledObject"]["spec"]["scaleTargetRef"].get("envSourceContainerName")
+    scaled = scaled or found["ScaledObject"]
+    name = scaled["spec"]["scaleTargetRef"].get("envSourceContainerName")
     container = next(c for c in containers if c["name"] == name) if name else containers[0]
     return set(env_of(container["env"]))
 
@@ -819,6 +928,172 @@ def test_scaled_object_checker_rejects_broken_manifests(breakage: Callable[[Any]
     broken = copy.deepcopy(manifests()["ScaledObject"])
     breakage(broken)
     errors = scaled_object_errors(broken, scale_target_env())
+    assert any(error.startswith(message) for error in errors), errors
+
+
+# --- KEDA on a Redis Cluster and under Sentinel: deploy/k8s/<mode>/ ---------------------------
+#
+# Each takes the place of deploy/k8s/worker-scaledobject.yaml (the same ScaledObject name, so
+# `kubectl apply -f` replaces it) and brings a TriggerAuthentication reading the workers' Secret.
+KEDA_VARIANTS = {"cluster": "deploy/k8s/cluster/worker-scaledobject.yaml",
+                 "sentinel": "deploy/k8s/sentinel/worker-scaledobject.yaml"}
+
+
+def keda_variant(mode: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(the ScaledObject, its TriggerAuthentications by name) of deploy/k8s/<mode>/."""
+    documents = load_yaml_all(KEDA_VARIANTS[mode])
+    kinds = [(d["apiVersion"], d["kind"]) for d in documents]
+    assert kinds.count(SCALED_OBJECT) == 1, kinds
+    assert set(kinds) <= {SCALED_OBJECT, TRIGGER_AUTHENTICATION}, kinds
+    scaled = documents[kinds.index(SCALED_OBJECT)]
+    return scaled, {d["metadata"]["name"]: d for d, kind in zip(documents, kinds, strict=True)
+                    if kind == TRIGGER_AUTHENTICATION}
+
+
+def worker_container() -> dict[str, Any]:
+    return manifests()["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def worker_secret_keys() -> set[tuple[str, str]]:
+    """(Secret, key) of every value the worker Deployment reads from a Secret."""
+    return {(ref["name"], ref["key"]) for e in worker_container()["env"]
+            if (ref := e.get("valueFrom", {}).get("secretKeyRef"))}
+
+
+def object_meta_errors(document: dict[str, Any], version: str) -> list[str]:
+    """A custom resource's metadata against Kubernetes' ObjectMeta schema (carried by a
+    ConfigMap, which requires nothing else)."""
+    carrier = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": document["metadata"]}
+    return [e.replace("ConfigMap", f"{document['kind']}.metadata", 1)
+            for e in kubernetes_errors(carrier, version)]
+
+
+def test_every_keda_variant_file_is_checked() -> None:
+    on_disk = {p.relative_to(ROOT).as_posix() for p in (ROOT / "deploy/k8s").glob("*/*.yaml")}
+    assert on_disk == set(KEDA_VARIANTS.values())
+
+
+@pytest.mark.parametrize("mode", sorted(KEDA_VARIANTS))
+def test_keda_variant_fields(mode: str) -> None:
+    """Field by field (KEDA's CRDs are in no schema), the HPA KEDA makes of it and every
+    ObjectMeta against Kubernetes' schemas; it replaces the single-Redis ScaledObject, and its
+    TriggerAuthentication reads only Secret keys the workers read too."""
+    scaled, authentications = keda_variant(mode)
+    errors = scaled_object_errors(scaled, scale_target_env(scaled), authentications)
+    for authentication in authentications.values():
+        errors += trigger_authentication_errors(authentication)
+    assert not errors, f"{KEDA_VARIANTS[mode]}:\n" + "\n".join(errors)
+    single = manifests()["ScaledObject"]
+    assert scaled["metadata"]["name"] == single["metadata"]["name"]
+    assert scaled["spec"]["scaleTargetRef"] == single["spec"]["scaleTargetRef"]
+    used = {t["authenticationRef"]["name"] for t in scaled["spec"]["triggers"]}
+    assert used == set(authentications), "a trigger without credentials, or an unused one"
+    for authentication in authentications.values():
+        assert "password" in auth_parameters(authentication)
+        for ref in authentication["spec"]["secretTargetRef"]:
+            assert (ref["name"], ref["key"]) in worker_secret_keys(), ref
+    for version in kubernetes_versions():
+        for document in (scaled, *authentications.values()):
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(document, version, strict=True)
+            assert object_meta_errors(document, version) == []
+        errors = kubernetes_errors(keda_hpa(scaled), version)
+        assert not errors, f"the HPA KEDA makes of {KEDA_VARIANTS[mode]}: {errors[0]}"
+
+
+def test_cluster_triggers_are_the_shard_streams() -> None:
+    """One trigger per shard stream, named by producer/protocol.py for the N in the manifest;
+    the scaling modifier sums their lags against the single-Redis target, and each trigger
+    alone carries the per-shard target (for a KEDA without scaling modifiers)."""
+    scaled, _ = keda_variant("cluster")
+    settings = load_settings(model=env_of(worker_container()["env"])["REDBATCH_MODEL"])
+    shards = int(scaled["metadata"]["annotations"]["redbatch/shards"])
+    triggers = scaled["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"redis-cluster-streams"}
+    assert [t["metadata"]["stream"] for t in triggers] == [
+        protocol.shard_stream_key(settings.namespace, settings.model_name, shard)
+        for shard in range(shards)]
+    assert {t["metadata"]["consumerGroup"] for t in triggers} == {settings.group}
+    single = next(t["metadata"] for t in manifests()["ScaledObject"]["spec"]["triggers"]
+                  if "lagCount" in t["metadata"])
+    for trigger in triggers:
+        meta = trigger["metadata"]
+        assert set(meta) & {"lagCount", "pendingEntriesCount", "streamLength"} == {"lagCount"}
+        assert abs(int(meta["lagCount"]) * shards - int(single["lagCount"])) < shards, (
+            "the per-shard target is the single-Redis target / N")
+        assert meta["activationLagCount"] == single["activationLagCount"]
+    modifier = scaled["spec"]["advanced"]["scalingModifiers"]
+    assert modifier["formula"] == " + ".join(t["name"] for t in triggers)
+    assert modifier["target"] == single["lagCount"] and modifier["metricType"] == "AverageValue"
+    assert modifier["activationTarget"] == single["activationLagCount"]
+    text = (ROOT / KEDA_VARIANTS["cluster"]).read_text()
+    assert f"GET {protocol.shards_key(settings.namespace, settings.model_name)}" in text
+    assert f"{protocol.default_shards(3)} for 3 masters" in text
+
+
+def test_sentinel_triggers_are_the_single_redis_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sentinel shards nothing: the same stream, group and targets as on one Redis, from the
+    master the sentinels name, which is the one the workers' URL (in the file) names."""
+    from producer.connection import parse_target
+
+    scaled, _ = keda_variant("sentinel")
+    triggers = scaled["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"redis-sentinel-streams"}
+
+    def targets(trigger: dict[str, Any]) -> dict[str, str]:
+        fields = {name.rstrip("!") for name in STREAM_TARGETS}
+        return {k: v for k, v in trigger["metadata"].items() if k in fields}
+
+    assert [targets(t) for t in triggers] == [
+        targets(t) for t in manifests()["ScaledObject"]["spec"]["triggers"]]
+    [master] = {t["metadata"]["sentinelMaster"] for t in triggers}
+    url = re.search(r"REDBATCH_REDIS_URL=(\S+)", (ROOT / KEDA_VARIANTS["sentinel"]).read_text())
+    assert url, "the workers' URL is not in the file"
+    filled = url[1].replace("$(REDIS_PASSWORD)", "secret").replace(
+        "$(REDIS_ADDRESS)", "s1:26379,s2:26379,s3:26379")
+    target = parse_target(filled, False)
+    assert (target.mode, target.service) == ("sentinel", master)
+    assert_settings_env({"REDBATCH_REDIS_URL": filled}, monkeypatch)
+    env = env_of(worker_container()["env"])
+    assert {"$(REDIS_PASSWORD)", "$(REDIS_ADDRESS)"} <= set(re.findall(r"\$\(\w+\)", url[1]))
+    assert {"REDIS_PASSWORD", "REDIS_ADDRESS"} <= set(env)
+
+
+@pytest.mark.parametrize("mode, breakage, message", [
+    ("cluster", lambda s, a: a["redbatch-redis-cluster"]["spec"]["secretTargetRef"][0].update(
+        parameter="address"),
+     "ScaledObject.spec.triggers[0].authenticationRef: parameter 'address' of "
+     "redbatch-redis-cluster is not read by redis-cluster-streams"),
+    ("cluster", lambda s, a: s["spec"]["triggers"][0]["metadata"].update(address="seed:6379"),
+     "ScaledObject.spec.triggers[0].metadata.address: unknown field"),
+    ("cluster", lambda s, a: s["spec"]["triggers"][1]["authenticationRef"].update(
+        name="redbatch-redis"),
+     "ScaledObject.spec.triggers[1].authenticationRef.name: no TriggerAuthentication "
+     "'redbatch-redis'"),
+    ("cluster", lambda s, a: s["spec"]["triggers"][2].update(name="shard0"),
+     "ScaledObject.spec.triggers: name 'shard0' is used twice"),
+    ("cluster", lambda s, a: a["redbatch-redis-cluster"]["spec"].update(
+        secretTargetRefs=a["redbatch-redis-cluster"]["spec"].pop("secretTargetRef")),
+     "TriggerAuthentication.spec.secretTargetRefs: unknown field"),
+    ("sentinel", lambda s, a: s["spec"]["triggers"][0]["metadata"].pop("sentinelMaster"),
+     "ScaledObject.spec.triggers[0].metadata.sentinelMaster: required"),
+    ("sentinel", lambda s, a: s["spec"]["triggers"][1]["metadata"].update(
+        passwordFromEnv="REDIS_PASSWORD"),
+     "ScaledObject.spec.triggers[1].metadata.password: set here and in the TriggerAuthentication"),
+    ("sentinel", lambda s, a: a["redbatch-redis-sentinel"]["spec"]["secretTargetRef"].pop(0),
+     "ScaledObject.spec.triggers[0].metadata: no Redis to read"),
+    ("sentinel", lambda s, a: a["redbatch-redis-sentinel"]["spec"]["secretTargetRef"][1].pop(
+        "key"), "TriggerAuthentication.spec.secretTargetRef[1].key: required field missing"),
+], ids=["auth-parameter", "single-redis-field", "auth-missing", "trigger-name-twice",
+        "auth-typo", "no-master", "password-twice", "no-sentinels", "auth-key-missing"])
+def test_keda_variant_checker_rejects_broken_manifests(mode: str,
+                                                       breakage: Callable[[Any, Any], Any],
+                                                       message: str) -> None:
+    scaled, authentications = copy.deepcopy(keda_variant(mode))
+    breakage(scaled, authentications)
+    errors = scaled_object_errors(scaled, scale_target_env(scaled), authentications)
+    for authentication in authentications.values():
+        errors += trigger_authentication_errors(authentication)
     assert any(error.startswith(message) for error in errors), errors
 
 
