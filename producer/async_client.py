@@ -1,9 +1,10 @@
 """The asyncio client: `AsyncClient`, with the same calls as `producer.client.Client`.
 
 Re-exported from producer.client and producer; the shared pieces (request fields, chunks,
-back-pressure and replica checks) live on `producer.client._Base`. Module constants are read
-through `base` at call time, as Client reads them, so setting one (e.g. PIPELINE_CHUNK) on
-producer.client applies to both clients.
+back-pressure and replica checks) live on `producer.client._Base`, the shard state on its
+base `producer.sharded.Sharding`. Module constants are read through `base` at call time, as
+Client reads them, so setting one (e.g. PIPELINE_CHUNK) on producer.client applies to both
+clients (REMEMBERED_REPLY_KEYS is producer.sharded's, where it is used).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import redis.asyncio as aioredis
 import producer.client as base
 from producer import connection, protocol
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, ShardCycle, published_shards
+from producer.errors import Overloaded, ResultTimeout, unwrap
 
 
 class AsyncClient(base._Base):
@@ -88,7 +90,7 @@ class AsyncClient(base._Base):
                 return candidate
             backlog = int(result[1])
         assert self.max_backlog is not None
-        raise base.Overloaded(backlog, self.max_backlog, submitted)
+        raise Overloaded(backlog, self.max_backlog, submitted)
 
     async def _wanted(self) -> int:
         if connection.is_cluster_client(self.redis):
@@ -170,10 +172,10 @@ class AsyncClient(base._Base):
             if popped is not None:
                 self._forget(request_id)
                 return protocol.decode_envelope(popped[1])
-        raise base.ResultTimeout(f"no reply for request {request_id} within {timeout} s")
+        raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 
     async def result(self, request_id: str, timeout: float = 30.0) -> Any:
-        return base.unwrap(await self.wait(request_id, timeout))
+        return unwrap(await self.wait(request_id, timeout))
 
     async def infer(self, payload: Any, timeout: float = 30.0, **options: Any) -> Any:
         return await self.result(await self.submit(payload, **options), timeout)

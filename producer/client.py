@@ -2,7 +2,8 @@
 
 `Client` is synchronous and `AsyncClient` (producer/async_client.py, re-exported here) its
 asyncio twin; both speak protocol v1 with plain Redis commands (XADD to submit, BLPOP on the
-reply key to wait).
+reply key to wait). Their errors are in producer/errors.py, the Redis Cluster path (shards,
+round-robin, per-shard reply keys) in producer/sharded.py; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from typing import Any
 import redis
 
 from producer import connection, protocol
-from producer.backlog import (
-    ADD_IF_UNDER,
-    ADD_ONCE,
-    ShardCycle,
-    add_arguments,
-    add_once_arguments,
-    shard_count,
-    submitted_key,
+from producer.backlog import ADD_IF_UNDER, ADD_ONCE, add_arguments, add_once_arguments
+from producer.errors import (  # noqa: F401 (re-exported: callers import them from here)
+    Overloaded,
+    RedbatchError,
+    RequestFailed,
+    ResultTimeout,
+    unwrap,
 )
+from producer.sharded import REMEMBERED_REPLY_KEYS, ShardedSubmit, Sharding  # noqa: F401
 
 DEFAULT_URL = "redis://localhost:6379/0"
 PIPELINE_CHUNK = 1000
@@ -39,37 +40,6 @@ RESUBMIT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.R
                    redis.exceptions.MovedError, redis.exceptions.ClusterDownError,
                    redis.exceptions.TryAgainError)  # the last three: a cluster's failover
 MARKER_TTL_MS = 3_600_000
-REMEMBERED_REPLY_KEYS = 100_000  # cluster mode: default reply keys kept for wait()
-
-
-class RedbatchError(Exception):
-    """Base of the client's errors."""
-
-
-class RequestFailed(RedbatchError):
-    """The worker answered with an error envelope."""
-
-    def __init__(self, request_id: str, code: str, message: str) -> None:
-        super().__init__(f"request {request_id} failed ({code}): {message}")
-        self.request_id = request_id
-        self.code = code
-        self.message = message
-
-
-class ResultTimeout(RedbatchError):
-    """No reply arrived in time; the request may still be answered later."""
-
-
-class Overloaded(RedbatchError):
-    """Refused: the group's backlog would pass `max_backlog`. Nothing of the refused call was
-    enqueued, except the ids in `submitted` (earlier chunks of a submit_many)."""
-
-    def __init__(self, backlog: int, max_backlog: int, submitted: Sequence[str] = ()) -> None:
-        super().__init__(f"backlog of {backlog} requests is at the limit of {max_backlog}; "
-                         "retry later")
-        self.backlog = backlog
-        self.max_backlog = max_backlog
-        self.submitted = list(submitted)
 
 
 def new_request_id() -> str:
@@ -86,19 +56,13 @@ def block_slices(timeout: float) -> Iterator[float]:
             return
 
 
-def unwrap(envelope: dict[str, Any]) -> Any:
-    """The result of a success envelope, or RequestFailed for an error envelope."""
-    if envelope["ok"]:
-        return envelope["result"]
-    error = envelope.get("error") or {}
-    raise RequestFailed(str(envelope.get("id")), error.get("code", "unknown"),
-                        error.get("message", ""))
+class _Base(Sharding):
+    """What both clients share: request fields, chunks, back-pressure, replica checks."""
 
-
-class _Base:
     def __init__(self, model: str, namespace: str, content_type: str,
                  max_backlog: int | None, group: str,
                  replicas: connection.ReplicaCount | None = None) -> None:
+        super().__init__()
         if content_type not in protocol.CONTENT_TYPES:
             raise ValueError(f"content_type must be one of {protocol.CONTENT_TYPES}")
         if max_backlog is not None and max_backlog < 1:
@@ -112,53 +76,12 @@ class _Base:
         # WAIT after each write for this many replicas (producer/connection.py ReplicaCount)
         self.replicas = replicas or connection.ReplicaCount(0)
         self.short_waits = 0  # writes a WAIT reported short of replicas (each resubmitted)
-        self.cycle: ShardCycle | None = None  # on a cluster: the shards, round-robin
-        self._shard_replicas: dict[int, connection.ReplicaCount] = {}
-        self._reply_keys: dict[str, str] = {}  # on a cluster: request id -> its reply key
-
-    def _shard_over(self, client: Any) -> None:
-        """On a cluster, requests go to the model's shards (protocol.shard_stream_key)."""
-        if connection.is_cluster_client(client):
-            protocol.check_cluster_names(self.namespace, self.model)
-            self.cycle = ShardCycle(shard_count(client, self.namespace, self.model))
-
-    def _replicas_of(self, shard: int | None) -> connection.ReplicaCount:
-        """One ReplicaCount per shard on a cluster (each shard's master has its own)."""
-        if shard is None:
-            return self.replicas
-        return self._shard_replicas.setdefault(shard, connection.ReplicaCount(
-            self.replicas.configured, self.replicas.timeout_ms))
-
-    def _stream_of(self, shard: int | None) -> str:
-        if shard is None:
-            return self.stream
-        return protocol.shard_stream_key(self.namespace, self.model, shard)
 
     def _once_call(self, ids: Sequence[str], entries: list[Any],
                    shard: int | None = None) -> tuple[list[str], list[Any]]:
-        """(KEYS, ARGV) of ADD_ONCE: the stream and one request marker per entry (on a
-        cluster, in the shard's slot)."""
-        if shard is None:
-            markers = [submitted_key(self.namespace, i) for i in ids]
-        else:
-            markers = [protocol.shard_submitted_key(self.namespace, self.model, shard, i)
-                       for i in ids]
-        return [self._stream_of(shard), *markers], add_once_arguments(
+        """(KEYS, ARGV) of ADD_ONCE: the stream and one request marker per entry."""
+        return [self._stream_of(shard), *self._markers(ids, shard)], add_once_arguments(
             self.group, self._limit(), MARKER_TTL_MS, entries)
-
-    def _limit(self) -> int | None:
-        """max_backlog, or on a cluster one shard's share of it."""
-        if self.cycle is None or self.max_backlog is None:
-            return self.max_backlog
-        return self.cycle.share(self.max_backlog)
-
-    def _remember(self, ids: Sequence[str], shard: int) -> None:
-        """The default reply keys of requests sent to `shard`, for wait()."""
-        for request_id in ids:
-            self._reply_keys[request_id] = protocol.shard_reply_key(
-                self.namespace, self.model, shard, request_id)
-        while len(self._reply_keys) > REMEMBERED_REPLY_KEYS:
-            del self._reply_keys[next(iter(self._reply_keys))]
 
     def _chunks(self, payloads: Sequence[Any], reply_to: str | None, deadline_ms: int | None,
                 priority: int) -> Iterator[tuple[list[str], list[Any]]]:
@@ -205,27 +128,12 @@ class _Base:
             content_type=self.content_type, reply_to=reply_to, deadline_ms=deadline_ms,
             priority=priority)
 
-    def reply_key(self, request_id: str) -> str:
-        """The default reply key; on a cluster it names the shard the request went to,
-        known for requests this client submitted (else pass wait() the reply_to)."""
-        if self.cycle is None:
-            return protocol.reply_key(self.namespace, request_id)
-        try:
-            return self._reply_keys[request_id]
-        except KeyError:
-            raise RedbatchError(f"request {request_id} was not submitted by this client: on a "
-                                "Redis Cluster its reply key names its shard; pass reply_to"
-                                ) from None
-
-    def _forget(self, request_id: str) -> None:
-        self._reply_keys.pop(request_id, None)
-
     def new_reply_key(self) -> str:
         """A fresh shared reply key, for collecting many replies on one list."""
         return protocol.reply_key(self.namespace, f"batch-{new_request_id()}")
 
 
-class Client(_Base):
+class Client(ShardedSubmit, _Base):
     """Synchronous client.
 
     >>> client = Client("redis://localhost:6379/0", model="minilm")
@@ -270,14 +178,9 @@ class Client(_Base):
                     deadline_ms: int | None = None, priority: int = 0) -> list[str]:
         """Enqueue many requests in pipelined round trips; returns their ids in order."""
         if self.cycle is not None:
-            ids: list[str] = []
-            for chunk_ids, entries in self._chunks(list(payloads), reply_to, deadline_ms,
-                                                   priority):
-                self._submit_sharded(chunk_ids, entries, reply_to is None, ids)
-                ids += chunk_ids
-            return ids
+            return self._submit_many_sharded(list(payloads), reply_to, deadline_ms, priority)
         if wanted := self.replicas.count(self.redis):
-            ids = []
+            ids: list[str] = []
             for chunk_ids, entries in self._chunks(list(payloads), reply_to, deadline_ms,
                                                    priority):
                 self._add_replicated(chunk_ids, entries, wanted, ids)
@@ -333,48 +236,6 @@ class Client(_Base):
                     raise
                 fault = exc
             time.sleep(RESUBMIT_DELAY_S * 2**attempt)
-
-    def _submit_sharded(self, ids: Sequence[str], entries: list[Any], default_reply: bool,
-                        submitted: Sequence[str] = ()) -> None:
-        """Cluster: the requests spread over the shards round-robin; a shard over its share
-        of max_backlog passes its part on to the next shard, Overloaded when all are."""
-        assert self.cycle is not None
-        for shard, indices in self.cycle.spread(len(ids)).items():
-            group_ids = [ids[i] for i in indices]
-            placed = self._to_some_shard(shard, group_ids, [entries[i] for i in indices],
-                                         submitted)
-            if default_reply:
-                self._remember(group_ids, placed)
-            submitted = [*submitted, *group_ids]
-
-    def _to_some_shard(self, shard: int, ids: list[str], entries: list[Any],
-                       submitted: Sequence[str]) -> int:
-        """The shard that took the requests: `shard`, or the next with room."""
-        assert self.cycle is not None
-        backlog = 0
-        for candidate in self.cycle.after(shard):
-            try:
-                self._to_shard(candidate, ids, entries, submitted)
-                return candidate
-            except Overloaded as exc:
-                backlog = exc.backlog
-        assert self.max_backlog is not None
-        raise Overloaded(backlog, self.max_backlog, submitted)
-
-    def _to_shard(self, shard: int, ids: list[str], entries: list[Any],
-                  submitted: Sequence[str]) -> None:
-        stream = self._stream_of(shard)
-        replicas = self._replicas_of(shard)
-        if wanted := replicas.count(connection.node_client(self.redis, stream)):
-            self._add_replicated(ids, entries, wanted, submitted, shard)
-        elif self.max_backlog is None:
-            pipe = self.redis.pipeline(transaction=False)
-            for fields in entries:
-                pipe.xadd(stream, fields)
-            pipe.execute()
-        else:
-            self._accepted(self._add_if_under(keys=[stream], args=self._add_arguments(entries)),
-                           submitted)
 
     def _submit_many_under_limit(self, payloads: list[Any], reply_to: str | None,
                                  deadline_ms: int | None, priority: int) -> list[str]:
