@@ -13,6 +13,9 @@ figures, each the median of interleaved repeats (the order of the paths alternat
   for both paths, half of what the direct path sustains for single-text calls with the same
   load generator (`--clients` calls in flight, median of the capacity runs); reported as the
   median of the repeats' gateway p50 - direct p50.
+
+Beside them, the gateway processes' CPU time per text (saturation) and per call (half load):
+on a machine shared with other jobs it moves much less than the timings.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from bench.cluster import REPO_ROOT, Workers
 from bench.corpus import build_corpus
@@ -160,8 +164,8 @@ def start_gateway(redis_url: str, processes: int, log: Path) -> tuple[subprocess
         process = subprocess.Popen(
             [sys.executable, "-m", "producer", "serve", "--redis-url", redis_url, "--host",
              "127.0.0.1", "--port", str(port), "--processes", str(processes), "--log-level",
-             "warning", "--max-inputs", "4096"], cwd=REPO_ROOT, stdout=out,
-            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+             "warning", "--max-inputs", "4096", "--request-timeout-s", "120"], cwd=REPO_ROOT,
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -174,18 +178,42 @@ def start_gateway(redis_url: str, processes: int, log: Path) -> tuple[subprocess
     raise RuntimeError("the gateway did not start:\n" + log.read_text()[-2000:])
 
 
+class GatewayCpu:
+    """CPU seconds the gateway's processes (uvicorn's and its workers') spend per text."""
+
+    def __init__(self, pid: int, warmup_texts: int) -> None:
+        self.process = psutil.Process(pid)
+        self.warmup_texts = warmup_texts  # each run's _drive opens its connections first
+        self.per_text: dict[str, list[float]] = {"saturation": [], "open": []}
+
+    def seconds(self) -> float:
+        total = 0.0
+        for process in [self.process, *self.process.children(recursive=True)]:
+            with suppress(psutil.NoSuchProcess):
+                total += sum(process.cpu_times()[:2])  # user + system
+        return total
+
+    def record(self, kind: str, texts: int, since: float) -> None:
+        self.per_text[kind].append((self.seconds() - since) / (texts + self.warmup_texts))
+
+
 def measure(args: argparse.Namespace, texts: list[str], addresses: dict[str, str],
-            generator: ProcessPoolExecutor) -> dict[str, Any]:
+            generator: ProcessPoolExecutor, cpu: GatewayCpu) -> dict[str, Any]:
     """Every figure, from interleaved repeats; see the module docstring."""
     def job(path: str, kind: str, *spec: Any) -> float:
-        return generator.submit(drive, path, addresses[path], kind, texts, spec,
-                                args.clients, args.http_client).result()
+        since = cpu.seconds()
+        found: float = generator.submit(drive, path, addresses[path], kind, texts, spec,
+                                        args.clients, args.http_client).result()
+        if path == "gateway" and (kind == "open" or spec[0] == args.batch):
+            cpu.record(kind, len(poisson_offsets(*spec) if kind == "open" else texts), since)
+        return found
 
     def orders() -> list[tuple[str, ...]]:
         return [PATHS if repeat % 2 == 0 else PATHS[::-1] for repeat in range(args.repeats)]
 
     for path in PATHS:  # warm both paths (the worker's model, the gateway's caches)
         job(path, "saturation", args.batch, args.clients)
+    cpu.per_text["saturation"].clear()  # the warm-up's first calls are not the steady state
     rates: dict[str, list[float]] = {p: [] for p in PATHS}
     single: dict[str, list[float]] = {p: [] for p in PATHS}
     for order in orders():
@@ -202,7 +230,9 @@ def measure(args: argparse.Namespace, texts: list[str], addresses: dict[str, str
             "ratio": median([g / d for g, d in zip(rates["gateway"], rates["direct"],
                                                    strict=True)]),
             "added_p50_ms": median([(g - d) * 1000 for g, d in zip(
-                p50s["gateway"], p50s["direct"], strict=True)])}
+                p50s["gateway"], p50s["direct"], strict=True)]),
+            "gateway_cpu_ms_per_text": {kind: median(values) * 1000
+                                        for kind, values in cpu.per_text.items()}}
 
 
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -215,7 +245,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         gateway, base_url = start_gateway(server.url, args.processes, tmp / "gateway.log")
         try:
             found = measure(args, texts, {"direct": server.url, "gateway": base_url},
-                            generator)
+                            generator, GatewayCpu(gateway.pid, 2 * args.clients))
         finally:
             gateway.terminate()
             gateway.wait(timeout=30)
@@ -238,6 +268,9 @@ def report(found: dict[str, Any]) -> None:
     print(f"p50 at half load ({found['half_rate']:.1f} req/s, both paths): direct "
           f"{median(p50s['direct']) * 1000:.2f} ms, gateway {median(p50s['gateway']) * 1000:.2f}"
           f" ms -> added {found['added_p50_ms']:.2f} ms (median of paired differences)")
+    cpu = found["gateway_cpu_ms_per_text"]
+    print(f"gateway CPU: {cpu['saturation']:.2f} ms per text at saturation, {cpu['open']:.2f}"
+          " ms per single-text call at half load (medians)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import uvicorn
 from producer import Client
 from producer.gateway.app import create_app
 from producer.gateway.openai_shapes import decode_base64_embedding
+from producer.gateway.serve import server_options
 from producer.gateway.settings import load_gateway_settings
 from tests.conftest import npm_installed
 
@@ -42,12 +43,13 @@ def free_port() -> int:
 
 @contextmanager
 def running_gateway(redis_url: str, **overrides: Any) -> Iterator[str]:
-    """The gateway served by uvicorn in a thread until the block ends; yields its base URL."""
+    """The gateway served by uvicorn in a thread until the block ends, with the options of
+    `python -m producer serve` (its HTTP protocol); yields its base URL."""
     port = free_port()
-    settings = load_gateway_settings(redis_url=redis_url, host="127.0.0.1", port=port,
-                                     **overrides)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    settings = load_gateway_settings(**{"redis_url": redis_url, "host": "127.0.0.1",
+                                        "port": port, "log_level": "warning", **overrides})
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), lifespan="on",
+                                           **server_options(settings)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -13,6 +13,7 @@ from producer.gateway.generation_shapes import (
     TEXT,
     chunk,
     completion_response,
+    openai_finish_reason,
     parse_chat_request,
     parse_completion_request,
     usage_chunk,
@@ -128,6 +129,16 @@ def test_text_completion_response_without_prompt_tokens() -> None:
     assert body["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None,
                                 "text": "y"}]
     assert body["usage"] == {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1}
+
+
+@pytest.mark.parametrize("worker, openai", [
+    ("stop", "stop"), ("length", "length"), ("cancelled", "stop"), ("tool_calls", "tool_calls"),
+    ("content_filter", "content_filter"), ("something-new", "stop"), (None, "stop")])
+def test_finish_reasons_are_openai_values(worker: Any, openai: str) -> None:
+    assert openai_finish_reason(worker) == openai
+    parsed = parse_chat_request({"model": "lm", "messages": MESSAGES})
+    body = completion_response(parsed, "r", 1, {**RESULT, "finish_reason": worker})
+    assert body["choices"][0]["finish_reason"] == openai
 
 
 def test_chunks() -> None:

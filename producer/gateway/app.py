@@ -10,7 +10,6 @@ Discovery share, and handlers that turn every failure into OpenAI's error shape.
 from __future__ import annotations
 
 import hmac
-import json
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,7 +17,7 @@ from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from producer import connection
@@ -27,6 +26,8 @@ from producer.gateway.discovery import Discovery, ModelState
 from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
 from producer.gateway.generation import Generations, chat_completions, completions
+from producer.gateway.jsonio import FastJSONResponse as JSONResponse
+from producer.gateway.jsonio import JSONDecodeError, loads
 from producer.gateway.openai_shapes import (
     check_dimensions,
     embedding_of,
@@ -77,8 +78,8 @@ class Gateway:
             if len(body) > limit:
                 raise body_too_large(limit)
         try:
-            return json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            return loads(body)
+        except (JSONDecodeError, RecursionError) as exc:
             raise errors.invalid(f"the body is not valid JSON: {exc}", None,
                                  "invalid_json") from None
 

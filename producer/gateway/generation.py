@@ -2,28 +2,31 @@
 
 A request is submitted with `producer.AsyncClient` (deadline_ms = now + request_timeout_s).
 `stream: false` sends `"stream": false` in the payload and BLPOPs the request's list reply
-key. `stream: true` reads the reply stream `redbatch:stream:<id>` with XREAD BLOCK from
-`0-0`, keeping the last id, and serves each delta as a server-sent event; the first entry is
-read before the response starts, so a refused request is a plain HTTP error. A client that
-goes away mid-stream (the SSE generator is cancelled or closed) cancels the generation:
-`SET redbatch:cancel:<id> 1 PX <ms>`. Response shapes: generation_shapes.py.
+key while it watches the ASGI channel for the client's `http.disconnect`. `stream: true`
+reads the reply stream `redbatch:stream:<id>` with XREAD BLOCK from `0-0`, keeping the last
+id, and serves each delta as a server-sent event; the first entry is read before the
+response starts, so a refused request is a plain HTTP error. A client that goes away, mid-
+stream (the SSE generator is cancelled or closed) or while a `stream: false` answer is
+awaited, cancels the generation: `SET redbatch:cancel:<id> 1 PX <ms>`. The worker's
+finish_reason reaches the client as one of OpenAI's values (generation_shapes.py, which
+holds the response shapes).
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from producer import protocol
 from producer.client import Overloaded, block_slices
-from producer.gateway import errors
+from producer.gateway import errors, jsonio
 from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
 from producer.gateway.generation_shapes import (
@@ -31,13 +34,16 @@ from producer.gateway.generation_shapes import (
     GenerationRequest,
     chunk,
     completion_response,
+    openai_finish_reason,
     parse_chat_request,
     parse_completion_request,
     usage_chunk,
 )
 
 Entry = tuple[str, dict[str, Any]]
+Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel
 CANCEL_MARGIN_MS = 60_000  # the cancel key outlives the request's deadline by this much
+CLIENT_CLOSED = 499  # the status recorded (nginx's) for an answer nobody was left to read
 
 
 def decode_entry(data: bytes) -> dict[str, Any]:
@@ -60,8 +66,15 @@ def worker_error(envelope: dict[str, Any], param: str) -> ApiError:
 
 
 def sse(data: Any) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
+    text = data.encode() if isinstance(data, str) else jsonio.dumps(data)
+    return b"data: " + text + b"\n\n"
+
+
+async def until_disconnected(receive: Receive) -> None:
+    """Returns when the client has gone: the request body is read by then, so the next ASGI
+    message is `http.disconnect` (uvicorn sends it once the connection is lost)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class Generations:
@@ -93,6 +106,23 @@ class Generations:
         await self.cancel(request_id)
         await self.redis.delete(key)
         raise errors.timed_out(self.timeout_s)
+
+    async def wait_or_cancel(self, request_id: str,
+                             receive: Receive) -> dict[str, Any] | None:
+        """wait_reply, unless the client disconnects first: then the generation is cancelled
+        and None returned (the worker's `cancelled` reply expires unread, by its TTL)."""
+        reply = asyncio.ensure_future(self.wait_reply(request_id))
+        gone = asyncio.ensure_future(until_disconnected(receive))
+        try:
+            await asyncio.wait((reply, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not reply.done():
+                reply.cancel()
+        if reply.done() and not reply.cancelled():
+            return reply.result()  # an answer that came with the disconnect still counts
+        await self.cancel(request_id)
+        return None
 
     async def read(self, key: str, last: str, deadline: float) -> list[Entry]:
         """The entries after `last`, waiting until there are some; [] past `deadline`."""
@@ -164,7 +194,7 @@ class StreamReply:
         if not envelope.get("ok"):
             return [sse(worker_error(envelope, self.param).body())]
         result = envelope.get("result") or {}
-        events = [sse(self._chunk(None, result.get("finish_reason")))]
+        events = [sse(self._chunk(None, openai_finish_reason(result.get("finish_reason"))))]
         if self.request.include_usage:
             events.append(sse(usage_chunk(self.request, self.request_id, self.created,
                                           result)))
@@ -184,10 +214,12 @@ async def generate(request: Request, parse: Callable[[Any], GenerationRequest]) 
         entries = await reply.first()
         return StreamingResponse(reply.events(entries), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    envelope = await generations.wait_reply(request_id)
+    envelope = await generations.wait_or_cancel(request_id, request.receive)
+    if envelope is None:
+        return Response(status_code=CLIENT_CLOSED)
     if not envelope.get("ok"):
         raise worker_error(envelope, "messages" if parsed.kind == CHAT else "prompt")
-    return JSONResponse(completion_response(parsed, request_id, int(time.time()),
+    return jsonio.FastJSONResponse(completion_response(parsed, request_id, int(time.time()),
                                             envelope.get("result") or {}))
 
 

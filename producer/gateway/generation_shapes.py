@@ -21,6 +21,11 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 MESSAGE_FIELDS = {"role", "content", "name"}
 MAX_STOP = 4
 CHAT, TEXT = "chat", "text"
+# The worker's finish_reason -> OpenAI's (stop, length, content_filter, tool_calls): a
+# generation cancelled (its client went, or redbatch:cancel:<id> was set) ended early on
+# purpose, which the SDKs know as "stop"; anything unknown is "stop" as well.
+FINISH_REASONS = {"stop": "stop", "length": "length", "content_filter": "content_filter",
+                  "tool_calls": "tool_calls", "cancelled": "stop"}
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,11 @@ def _number(value: Any, name: str, low: float, high: float) -> float:
 # --- responses ------------------------------------------------------------------------------
 
 
+def openai_finish_reason(reason: Any) -> str:
+    """One of OpenAI's values for the worker's finish_reason (see FINISH_REASONS)."""
+    return FINISH_REASONS.get(reason, "stop") if isinstance(reason, str) else "stop"
+
+
 def completion_id(kind: str, request_id: str) -> str:
     """The response's id, which names the redbatch request id after its prefix."""
     return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{request_id}"
@@ -197,7 +207,7 @@ def _head(request: GenerationRequest, request_id: str, created: int,
 def completion_response(request: GenerationRequest, request_id: str, created: int,
                         result: dict[str, Any]) -> dict[str, Any]:
     """The non-streamed answer: a chat.completion or a text_completion."""
-    text, reason = str(result.get("text", "")), result.get("finish_reason")
+    text, reason = str(result.get("text", "")), openai_finish_reason(result.get("finish_reason"))
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
     if request.kind == CHAT:
         choice["message"] = {"role": "assistant", "content": text}

@@ -2,18 +2,25 @@
 
 Every setting is a flag and a REDBATCH_* variable. With `--processes N`, uvicorn starts N
 processes on the one port; the flags reach them through the environment, since each builds
-its own app (create_app reads the settings there).
+its own app (create_app reads the settings there). HTTP is parsed by httptools and the loop
+is uvloop's (uvicorn picks uvloop when it is installed, as it is with redbatch), with the
+head and body of a response in one write (transport.py); without httptools, uvicorn's h11.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
+from typing import Any
 
 import uvicorn
 
 from producer.gateway.settings import GatewaySettings, GatewaySettingsError, load_gateway_settings
+
+HTTPTOOLS = importlib.util.find_spec("httptools") is not None
+HTTP_PROTOCOL = "producer.gateway.transport:CoalescingHttpToolsProtocol"  # imported by uvicorn
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +42,12 @@ def as_environment(settings: GatewaySettings) -> dict[str, str]:
     return env
 
 
+def server_options(settings: GatewaySettings) -> dict[str, Any]:
+    """uvicorn's options for these settings, for uvicorn.run and uvicorn.Config alike."""
+    return {"host": settings.host, "port": settings.port, "log_level": settings.log_level,
+            "access_log": False, "http": HTTP_PROTOCOL if HTTPTOOLS else "h11"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -44,12 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if settings.processes > 1:
         os.environ.update(as_environment(settings))
-        uvicorn.run("producer.gateway.app:create_app", factory=True, host=settings.host,
-                    port=settings.port, workers=settings.processes,
-                    log_level=settings.log_level, access_log=False)
+        uvicorn.run("producer.gateway.app:create_app", factory=True,
+                    workers=settings.processes, **server_options(settings))
         return 0
     from producer.gateway.app import create_app
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, access_log=False)
+    uvicorn.run(create_app(settings), **server_options(settings))
     return 0
