@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import structlog
@@ -158,10 +159,8 @@ class Replier:
         if not wanted:
             result: list[list[bytes]] = self._script(keys=keys, args=args)
             return result
-        pipe = node.pipeline(transaction=False)
-        self._script(keys=keys, args=args, client=pipe)
-        pipe.wait(wanted, self.replicas.timeout_ms)
-        result, acked = pipe.execute()
+        result, acked = script_then_wait(node, self._script, keys, args, wanted,
+                                         self.replicas.timeout_ms)
         if acked < wanted:
             metrics.REPLICATION_SHORT.labels(self.model_name).inc()
             self.replicas.short()
@@ -172,3 +171,23 @@ class Replier:
         """Ack entries that cannot be answered (no usable id, or deleted from the stream)."""
         if entry_ids:
             self.client.xack(self.stream, self.group, *entry_ids)
+
+
+def script_then_wait(node: Any, script: Any, keys: Sequence[str], args: Sequence[Any],
+                     wanted: int, timeout_ms: int) -> tuple[Any, int]:
+    """EVALSHA and WAIT in one pipeline on the node's own connection. A redis-py Script in a
+    pipeline first sends SCRIPT EXISTS, a round trip per write; instead a NOSCRIPT (a
+    promoted replica that never loaded the script) loads it, and the pair is sent again
+    (nothing ran: WAIT alone is harmless)."""
+    for attempt in (0, 1):
+        pipe = node.pipeline(transaction=False)
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        pipe.wait(wanted, timeout_ms)
+        try:
+            result, acked = pipe.execute()
+            return result, int(acked)
+        except redis.exceptions.NoScriptError:
+            if attempt:
+                raise
+            node.script_load(script.script)
+    raise AssertionError("unreachable")

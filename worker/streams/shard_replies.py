@@ -28,7 +28,7 @@ from producer import connection, protocol
 from producer.connection import ReplicaCount
 from worker.observe import metrics
 from worker.policy.backoff import backoff_delays
-from worker.streams.replier import Replier, Reply
+from worker.streams.replier import Replier, Reply, script_then_wait
 from worker.streams.shards import by_shard, tagged, untagged
 
 log = structlog.get_logger("redbatch.replier")
@@ -97,10 +97,8 @@ class ForeignReplies:
             result: list[int] = self._script(keys=keys, args=args)
             return result
         try:
-            pipe = node.pipeline(transaction=False)
-            self._script(keys=keys, args=args, client=pipe)
-            pipe.wait(wanted, replicas.timeout_ms)
-            result, acked = pipe.execute()
+            result, acked = script_then_wait(node, self._script, keys, args, wanted,
+                                             replicas.timeout_ms)
         except connection.CLUSTER_FAULTS as exc:
             connection.follow_cluster(self.client, exc)
             if isinstance(exc, redis.exceptions.MovedError):
