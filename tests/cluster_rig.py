@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,8 @@ from typing import Any
 import pytest
 import redis
 
-from tests.conftest import RedisNode, loaded_model, wait_until
-from worker.app import assemble_worker, connect
-from worker.execution.executor import Executor, resolve_device
+from tests.conftest import RedisNode, running_worker, wait_until
 from worker.pipeline.worker import Worker
-from worker.settings import load_settings
 
 NODE_TIMEOUT_MS = 1000
 NODE_LINES = ["cluster-enabled yes", f"cluster-node-timeout {NODE_TIMEOUT_MS}",
@@ -111,25 +107,11 @@ def cluster(redis7: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield rig
 
 
-@contextmanager
-def cluster_worker(url: str, model: str = "echo", **overrides: Any) -> Iterator[Worker]:
+def cluster_worker(url: str, model: str = "echo",
+                   **overrides: Any) -> AbstractContextManager[Worker]:
     """conftest.running_worker, on a cluster (redis_cluster, the cluster client)."""
-    overrides.setdefault("block_ms", 100)
-    options = overrides.pop("model_options", {})
-    settings = load_settings(None, redis_url=url, redis_cluster=True, model=model,
-                             model_options=options, metrics_port=0, **overrides)
-    instance = loaded_model(settings.model, settings.model_options)
-    worker = assemble_worker(settings, instance, Executor(instance, resolve_device("cpu")),
-                             connect(url, settings.block_ms, cluster=True))
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    assert worker.ready.wait(10)
-    try:
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "worker did not stop"
+    return running_worker(url, model, overrides.pop("model_options", None),
+                          redis_cluster=True, **overrides)
 
 
 def flush(rig: ClusterRig) -> None:

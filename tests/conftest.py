@@ -113,7 +113,7 @@ def running_worker(url: str, model: str = "echo", model_options: dict[str, Any] 
                              metrics_port=0, **overrides)
     instance = instance or loaded_model(settings.model, settings.model_options)
     worker = assemble_worker(settings, instance, Executor(instance, resolve_device("cpu")),
-                    connect(url, settings.block_ms))
+                             connect(url, settings.block_ms, cluster=settings.redis_cluster))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     assert worker.ready.wait(10)
