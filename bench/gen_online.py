@@ -55,10 +55,9 @@ def closed_loop(url: str, stream: str, requests: Sequence[GenRequest], concurren
     client = redis.Redis.from_url(url)
     client.delete(REPLY_KEY)
     started = time.perf_counter()
-    sent = 0
-    for sent in range(min(concurrency, len(requests))):
-        _send(client, stream, sent, requests[sent])
     sent = min(concurrency, len(requests))
+    for index in range(sent):
+        _send(client, stream, index, requests[index])
     outputs: dict[int, list[int]] = {}
     tokens = 0
     while len(outputs) < len(requests):

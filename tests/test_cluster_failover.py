@@ -18,7 +18,7 @@ import redis
 from producer import Client
 from tests.cluster_rig import ClusterRig, cluster_rig, cluster_worker
 from tests.conftest import RedisNode
-from tests.test_failover import Outcome, collect
+from tests.test_failover import Outcome, collect, submit_until_accepted
 
 REQUESTS = 300
 KILL_AT = 100
@@ -37,15 +37,7 @@ def produce(client: Client, reply_to: str, outcome: Outcome, kill: threading.Eve
                 time.sleep(0.001)
         request_id = f"req-{seed}-{i}"
         began = time.monotonic()
-        deadline = began + 30
-        while True:
-            try:
-                client.submit({"i": i}, request_id=request_id, reply_to=reply_to)
-                break
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        submit_until_accepted(client, {"i": i}, request_id, reply_to, 30)
         outcome.submitted[request_id] = time.monotonic()
         submit_s.append(outcome.submitted[request_id] - began)
         time.sleep(rng.uniform(0, 0.01))

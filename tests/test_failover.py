@@ -81,18 +81,23 @@ def produce(client: Client, reply_to: str, outcome: Outcome, rig: SentinelRig,
             rig.master.kill()
             outcome.killed_at = time.monotonic()
         request_id = f"req-{seed}-{i}"
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.submit({"i": i, "r": rng.random()}, request_id=request_id,
-                              reply_to=reply_to)
-                break
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        submit_until_accepted(client, {"i": i, "r": rng.random()}, request_id, reply_to, 20)
         outcome.submitted[request_id] = time.monotonic()
         time.sleep(rng.uniform(0, 0.01))
+
+
+def submit_until_accepted(client: Client, payload: dict[str, object], request_id: str,
+                          reply_to: str, timeout_s: float) -> None:
+    """Submit, retrying the same id while the failover refuses it (idempotent)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.submit(payload, request_id=request_id, reply_to=reply_to)
+            return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def run_failover(rig: SentinelRig, replicas_to_wait: int, seed: int) -> Outcome:
