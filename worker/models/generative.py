@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from worker.execution.generation import GenerationEngine, kv_bytes_per_token
+from worker.execution.kv_pool import BLOCK_TOKENS
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.generation_params import (
     GenerationInput,
@@ -68,7 +69,11 @@ class CausalLM(Model):
                         if e is not None}
 
     def engine(self) -> GenerationEngine:
-        return GenerationEngine(self.lm, self.tokenizer, self.device, self.eos_ids)
+        """The engine, its KV pool sized to the scheduler's budget (and one more block per
+        sequence for the partly filled last ones)."""
+        limits = self.scheduler_limits()
+        return GenerationEngine(self.lm, self.tokenizer, self.device, self.eos_ids,
+                                kv_tokens=limits.kv_tokens + limits.max_seqs * BLOCK_TOKENS)
 
     def scheduler_limits(self) -> SchedulerLimits:
         per_token = kv_bytes_per_token(self.lm.config, self.lm.dtype)
