@@ -62,6 +62,25 @@ def engine_id(binary: Path) -> str:
 
 
 BINARIES = redis_binaries()
+# Valkey runs the modules that pin the server's semantics (the Lua scripts, the stream
+# commands, recovery, streamed replies); the rest of the suite's Valkey copies would add
+# minutes to CI and exercise the same commands again.
+VALKEY_MODULES = {"test_reliability_scripts", "test_protocol", "test_recovery",
+                  "test_token_streams", "test_roundtrip", "test_producer", "test_redis_full",
+                  "test_worker", "test_generation_e2e"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect Valkey's copy of the tests outside VALKEY_MODULES."""
+    keep, drop = [], []
+    for item in items:
+        engine = getattr(getattr(item, "callspec", None), "params", {}).get("redis_server")
+        valkey = engine is not None and Path(engine).name.startswith("valkey")
+        (drop if valkey and item.module.__name__.split(".")[-1] not in VALKEY_MODULES
+         else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session", params=BINARIES, ids=[engine_id(b) for b in BINARIES])
