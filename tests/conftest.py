@@ -72,12 +72,12 @@ VALKEY_MODULES = {"test_reliability_scripts", "test_protocol", "test_recovery",
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect Valkey's copy of the tests outside VALKEY_MODULES."""
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         engine = getattr(getattr(item, "callspec", None), "params", {}).get("redis_server")
         valkey = engine is not None and Path(engine).name.startswith("valkey")
-        (drop if valkey and item.module.__name__.split(".")[-1] not in VALKEY_MODULES
-         else keep).append(item)
+        (drop if valkey and item.path.stem not in VALKEY_MODULES else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
