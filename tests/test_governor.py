@@ -7,7 +7,7 @@ import pytest
 from producer.protocol import Request
 from worker.models.base import Prepared
 from worker.policy.batching import Batcher, BatchLimits, Pending
-from worker.policy.governor import Cap, Governor, GovernorPolicy, MemoryReading
+from worker.policy.governor import Cap, Governor, GovernorPolicy, MemoryReading, kv_cache_budget
 from worker.settings import SettingsError, load_settings
 
 LIMITS = BatchLimits(max_batch_size=32, max_batch_tokens=8192, max_wait_s=0.005)
@@ -147,3 +147,11 @@ def test_the_batcher_takes_each_bucket_cap_from_the_governor() -> None:
 def test_watermarks_must_be_ordered() -> None:
     with pytest.raises(SettingsError, match="memory_low_watermark"):
         load_settings(None, memory_low_watermark=0.9, memory_high_watermark=0.8)
+
+
+def test_the_kv_cache_budget_fits_under_the_high_watermark() -> None:
+    reading = MemoryReading(used=600 << 20, limit=1000 << 20)
+    assert kv_cache_budget(256 << 20, reading, 0.9) == 256 << 20  # room: 300 MiB
+    assert kv_cache_budget(512 << 20, reading, 0.9) == 300 << 20
+    assert kv_cache_budget(512 << 20, MemoryReading(used=950 << 20, limit=1000 << 20),
+                           0.9) == 0

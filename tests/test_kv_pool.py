@@ -103,3 +103,22 @@ def test_the_engine_gives_every_block_back_and_stays_within_its_pool(
             assert len(engine.drop(seq.id).text.generated) >= 1  # type: ignore[union-attr]
     assert preempted > 0
     assert engine.pool.free_tokens == everything
+
+
+def test_a_worker_lowers_its_kv_cache_to_the_watermark_or_refuses_to_start(
+        tmp_path: Path) -> None:
+    from worker.app import StartupError, fit_kv_cache
+    from worker.models.generative import CausalLM
+    from worker.policy.governor import MemoryReading
+
+    model = CausalLM(str(build_tiny_lm(tmp_path)), kv_cache_bytes=64 << 20, max_step_tokens=64)
+    model.load(CPU)
+    per_token = model.scheduler_limits().bytes_per_token  # 1 KiB for the tiny model
+    fit_kv_cache(model, MemoryReading(used=100 << 20, limit=1 << 30), 0.9)
+    assert model.limits.kv_budget_bytes == 64 << 20  # room enough: unchanged
+    fit_kv_cache(model, MemoryReading(used=(900 << 20) - (1 << 20), limit=1000 << 20), 0.9)
+    assert model.limits.kv_budget_bytes == 1 << 20
+    assert model.engine().pool.free_tokens >= (1 << 20) // per_token
+    with pytest.raises(StartupError, match=r"the KV cache would get 0 MiB \(32 tokens\)"):
+        fit_kv_cache(model, MemoryReading(used=(900 << 20) - 32 * per_token,
+                                          limit=1000 << 20), 0.9)

@@ -27,7 +27,7 @@ from worker.execution.calibration import (
 )
 from worker.execution.cores import available_cores
 from worker.execution.executor import Executor, resolve_device
-from worker.execution.memory import memory_probe
+from worker.execution.memory import MemoryProbe, memory_probe
 from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
@@ -35,7 +35,12 @@ from worker.pipeline.generate import GenerationParts
 from worker.pipeline.worker import Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
 from worker.policy.decoding import DecodingScheduler
-from worker.policy.governor import Governor, policy_from_settings
+from worker.policy.governor import (
+    Governor,
+    MemoryReading,
+    kv_cache_budget,
+    policy_from_settings,
+)
 from worker.policy.latency import LatencyPolicy
 from worker.policy.layout import Layout, choose_layout
 from worker.policy.targeted import TargetedDispatch
@@ -157,22 +162,45 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
         runners=[BatchRunner(e, governor, memory, settings.model_name, governing=lock)
                  for e in executors],
         layout=layout, targeted=targeted,
-        generation=generation_parts(settings, model, client) if model.generative else None)
+        generation=generation_parts(settings, model, client, memory) if model.generative
+        else None)
     worker = Worker(settings, model, parts, lock)
     worker.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
                             else settings.merge_tokens)
     return worker
 
 
-def generation_parts(settings: Settings, model: Model,
-                     client: redis.Redis) -> GenerationParts:
-    """A generative model's engine, scheduler and reply streams (models/generative.py)."""
+def generation_parts(settings: Settings, model: Model, client: redis.Redis,
+                     memory: MemoryProbe) -> GenerationParts:
+    """A generative model's engine, scheduler and reply streams (models/generative.py);
+    its KV pool fits under the memory governor's high watermark."""
     assert isinstance(model, CausalLM), "generative models derive from CausalLM"
+    fit_kv_cache(model, memory.read(), settings.memory_high_watermark)
     stream = protocol.stream_key(settings.namespace, settings.model_name)
     return GenerationParts(
         model.engine(), DecodingScheduler(model.scheduler_limits()),
         TokenStreams(client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
                      protocol.answered_key(settings.namespace, settings.model_name)))
+
+
+def fit_kv_cache(model: CausalLM, reading: MemoryReading, high_watermark: float) -> None:
+    """Lower the model's KV budget to what the watermark leaves; refuse to start when
+    that is not even one step's worth of tokens."""
+    configured = model.limits.kv_budget_bytes
+    budget = kv_cache_budget(configured, reading, high_watermark)
+    if budget == configured:
+        return
+    tokens = budget // model.scheduler_limits().bytes_per_token
+    if tokens < model.limits.max_step_tokens:
+        raise StartupError(
+            f"the KV cache would get {budget >> 20} MiB ({tokens} tokens): "
+            f"{reading.used >> 20} MiB are in use of a {reading.limit >> 20} MiB limit at the "
+            f"high watermark {high_watermark}; lower max_step_tokens or raise "
+            "memory_limit_bytes")
+    model.limit_kv_cache(budget)
+    log.warning("generate.kv_cache_lowered", configured_mib=configured >> 20,
+                budget_mib=budget >> 20, used_mib=reading.used >> 20,
+                limit_mib=reading.limit >> 20)
 
 
 def redis_parts(settings: Settings, client: redis.Redis,

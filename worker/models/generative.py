@@ -75,6 +75,10 @@ class CausalLM(Model):
         return GenerationEngine(self.lm, self.tokenizer, self.device, self.eos_ids,
                                 kv_tokens=limits.kv_tokens + limits.max_seqs * BLOCK_TOKENS)
 
+    def limit_kv_cache(self, budget_bytes: int) -> None:
+        """Lower the KV budget (the memory governor's watermark, app.generation_parts)."""
+        self.limits = dataclasses.replace(self.limits, kv_budget_bytes=budget_bytes)
+
     def scheduler_limits(self) -> SchedulerLimits:
         per_token = kv_bytes_per_token(self.lm.config, self.lm.dtype)
         return dataclasses.replace(self.limits, bytes_per_token=per_token)

@@ -74,6 +74,15 @@ class GovernorPolicy:
     fragmentation_fraction: float = 0.10  # idle cached memory, as a fraction of the limit
 
 
+def kv_cache_budget(configured_bytes: int, reading: MemoryReading,
+                    high_watermark: float) -> int:
+    """A generative model's KV pool: the configured bytes, lowered so that the memory in
+    use once the model is loaded plus the pool stays under the high watermark (the pool is
+    allocated once and never grows, so this one reading is the whole rule)."""
+    room = int(high_watermark * reading.limit) - reading.used
+    return max(0, min(configured_bytes, room))
+
+
 def policy_from_settings(settings: Settings) -> GovernorPolicy:
     return GovernorPolicy(high_watermark=settings.memory_high_watermark,
                           low_watermark=settings.memory_low_watermark,
