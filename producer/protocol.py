@@ -29,6 +29,7 @@ from producer.shards import (  # noqa: F401
     shard_stream_key,
     shard_submitted_key,
     shard_tag,
+    shard_token_stream_key,
     shards_key,
     slot_tag,
 )
@@ -76,11 +77,17 @@ def workers_key(namespace: str, model: str) -> str:
 
 
 def token_stream_key(namespace: str, request_id: str, reply_to: str | None = None) -> str:
-    """Where a generative model streams its answer: `reply_to` when the request named one
-    (a `reply_to` equal to the default list key counts as none), else a stream of its own."""
-    if reply_to and reply_to != reply_key(namespace, request_id):
-        return reply_to
-    return f"{namespace}:stream:{request_id}"
+    """Where a generative model streams its answer: `reply_to` when the request named one,
+    else a stream of its own. A default list reply key counts as none: `<ns>:reply:<id>`
+    streams to `<ns>:stream:<id>`, and on a Redis Cluster the shard's
+    `<ns>:reply:{<m>:<s>}:<id>` to `<ns>:stream:{<m>:<s>}:<id>` (in the shard's slot)."""
+    if not reply_to or reply_to == reply_key(namespace, request_id):
+        return f"{namespace}:stream:{request_id}"
+    prefix, suffix = f"{namespace}:reply:{{", f"}}:{request_id}"
+    tag = reply_to[len(prefix) - 1:-len(suffix) + 1]
+    if reply_to.startswith(prefix) and reply_to.endswith(suffix) and tag.count("}") == 1:
+        return f"{namespace}:stream:{tag}:{request_id}"
+    return reply_to
 
 
 def cancel_key(namespace: str, request_id: str) -> str:

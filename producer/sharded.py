@@ -85,6 +85,11 @@ class Sharding:
                                 "Redis Cluster its reply key names its shard; pass reply_to"
                                 ) from None
 
+    def token_stream_key(self, request_id: str) -> str:
+        """Where a generative model streams this request's answer when it named no
+        `reply_to` (on a cluster, in its shard's slot; see reply_key)."""
+        return protocol.token_stream_key(self.namespace, request_id, self.reply_key(request_id))
+
     def _forget(self, request_id: str) -> None:
         self._reply_keys.pop(request_id, None)
 

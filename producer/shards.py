@@ -24,6 +24,11 @@ def shard_reply_key(namespace: str, model: str, shard: int, request_id: str) -> 
     return f"{namespace}:reply:{shard_tag(model, shard)}:{request_id}"
 
 
+def shard_token_stream_key(namespace: str, model: str, shard: int, request_id: str) -> str:
+    """The default reply stream of a generative request sent to shard `shard` (its slot)."""
+    return f"{namespace}:stream:{shard_tag(model, shard)}:{request_id}"
+
+
 def shard_dead_letter_key(namespace: str, model: str, shard: int) -> str:
     return f"{namespace}:dead:{shard_tag(model, shard)}"
 

@@ -33,6 +33,9 @@ def shard_script_keys(ns: str, model: str, shard: int, request_id: str) -> dict[
         "MOVE_TO_DEAD": [stream, protocol.shard_dead_letter_key(ns, model, shard), reply],
         "REQUEUE": [protocol.shard_dead_letter_key(ns, model, shard), stream],
         "lease": [protocol.shard_lease_key(ns, model, shard, "upkeep"), stream],
+        "FINISH_AND_ACK / KEEP_ALIVE (generative)": [
+            stream, protocol.shard_answered_key(ns, model, shard),
+            protocol.token_stream_key(ns, request_id, reply)],
     }
 
 
@@ -51,6 +54,16 @@ def test_every_script_of_a_shard_stays_in_one_slot() -> None:
             assert len(slots) == 1, (model, shard, request_id)
     assert checked > 5000
     assert ADD_ONCE and ADD_IF_UNDER  # the scripts those KEYS are for
+
+
+def test_a_shard_s_default_reply_stream_is_its_reply_key_s_twin() -> None:
+    reply = protocol.shard_reply_key("redbatch", "lm", 3, "r1")
+    assert protocol.token_stream_key("redbatch", "r1", reply) == \
+        protocol.shard_token_stream_key("redbatch", "lm", 3, "r1") == "redbatch:stream:{lm:3}:r1"
+    assert protocol.token_stream_key("redbatch", "r1") == "redbatch:stream:r1"
+    assert protocol.token_stream_key("redbatch", "r1", "mine") == "mine"
+    assert protocol.token_stream_key("redbatch", "r1", "redbatch:reply:{a}:{b}:r1") == \
+        "redbatch:reply:{a}:{b}:r1"  # not a shard's default reply key: used as it is
 
 
 def test_our_key_slot_is_redis_pys() -> None:

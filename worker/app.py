@@ -51,7 +51,7 @@ from worker.streams.reader import StreamReader
 from worker.streams.reclaimer import Reclaimer
 from worker.streams.replier import Replier
 from worker.streams.server import RedisServer
-from worker.streams.sharding import sharded_parts
+from worker.streams.sharding import AnyTokenStreams, sharded_parts, sharded_token_streams
 from worker.streams.token_streams import TokenStreams
 
 log = structlog.get_logger("redbatch")
@@ -177,10 +177,12 @@ def generation_parts(settings: Settings, model: Model, client: redis.Redis,
     assert isinstance(model, CausalLM), "generative models derive from CausalLM"
     fit_kv_cache(model, memory.read(), settings.memory_high_watermark)
     stream = protocol.stream_key(settings.namespace, settings.model_name)
-    return GenerationParts(
-        model.engine(), DecodingScheduler(model.scheduler_limits()),
-        TokenStreams(client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
-                     protocol.answered_key(settings.namespace, settings.model_name)))
+    streams: AnyTokenStreams = sharded_token_streams(settings, client) \
+        if connection.is_cluster_client(client) else TokenStreams(
+            client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
+            protocol.answered_key(settings.namespace, settings.model_name))
+    return GenerationParts(model.engine(), DecodingScheduler(model.scheduler_limits()),
+                           streams)
 
 
 def fit_kv_cache(model: CausalLM, reading: MemoryReading, high_watermark: float) -> None:
@@ -263,9 +265,6 @@ def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence
 def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     """Load the model, assemble the worker, and warm it up."""
     model, device = load_model(settings)
-    if settings.redis_cluster and model.generative:  # token streams are not sharded yet
-        raise StartupError(f"model {settings.model!r} is generative: generative models "
-                           "cannot serve a Redis Cluster yet (docs/deploy.md)")
     worker = assemble_worker(settings, model, Executor(model, device), client,
                              calibrated=load_batch_sizes(settings, device))
     if settings.warmup:

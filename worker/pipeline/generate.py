@@ -44,7 +44,8 @@ from worker.pipeline.token_answers import (
 from worker.policy.batching import Batcher, Pending
 from worker.policy.decoding import DecodingScheduler, SeqState, StepPlan
 from worker.policy.flow import entry_time_ms, is_past_deadline
-from worker.streams.token_streams import Chunk, Progress, TokenStreams
+from worker.streams.sharding import AnyTokenStreams
+from worker.streams.token_streams import Chunk, Progress
 
 log = structlog.get_logger("redbatch.worker")
 IDLE_POLL_S = 0.5
@@ -64,7 +65,7 @@ class GenerationParts:
 
     engine: GenerationEngine
     scheduler: DecodingScheduler
-    streams: TokenStreams
+    streams: AnyTokenStreams
 
 
 @dataclass(slots=True)
@@ -83,7 +84,7 @@ class Live:
 class GenerateLoop:
     def __init__(self, config: GenerateConfig, engine: GenerationEngine,
                  scheduler: DecodingScheduler, batcher: Batcher, inflight: InFlight,
-                 answers: AnswerQueue, grace: Grace, streams: TokenStreams,
+                 answers: AnswerQueue, grace: Grace, streams: AnyTokenStreams,
                  retry: RedisRetry) -> None:
         self.config = config
         self.engine, self.scheduler, self.batcher = engine, scheduler, batcher

@@ -25,8 +25,8 @@ from worker.policy.flow import end_to_end_s
 from worker.policy.latency import LatencyPolicy
 from worker.streams.replier import Reply
 from worker.streams.shard_replies import ShardedReplier
-from worker.streams.sharding import AnyReplier
-from worker.streams.token_streams import Chunk, FinalChunk, TokenStreams
+from worker.streams.sharding import AnyReplier, AnyTokenStreams
+from worker.streams.token_streams import Chunk, FinalChunk
 
 log = structlog.get_logger("redbatch.worker")
 
@@ -35,7 +35,7 @@ class ReplyWriter:
     def __init__(self, model_name: str, replier: AnyReplier, inflight: InFlight,
                  answers: AnswerQueue, retry: RedisRetry,
                  latency: LatencyPolicy | None = None,
-                 streams: TokenStreams | None = None) -> None:
+                 streams: AnyTokenStreams | None = None) -> None:
         """`latency`: with a latency target, told each answer's end-to-end time.
         `streams`: a generative model's reply streams, for answers with a stream_index."""
         self.model_name = model_name

@@ -21,8 +21,10 @@ from worker.streams.reader import StreamReader
 from worker.streams.reclaimer import Reclaimer
 from worker.streams.replier import Replier
 from worker.streams.shard_replies import ForeignReplies, ShardedReplier
+from worker.streams.shard_token_streams import ShardedTokenStreams
 from worker.streams.shard_upkeep import ShardedDeadLetters, ShardedMaintenance, ShardedReclaimer
 from worker.streams.shards import Localiser, ShardedReader
+from worker.streams.token_streams import TokenStreams
 
 log = structlog.get_logger("redbatch.shards")
 
@@ -90,8 +92,20 @@ def sharded_parts(settings: Settings, client: Any,
             protocol.workers_key(ns, name)))
 
 
+def sharded_token_streams(settings: Settings, client: Any) -> ShardedTokenStreams:
+    """A generative model's reply streams, one TokenStreams per shard."""
+    ns, name = settings.namespace, settings.model_name
+    count = resolve_shards(client, ns, name, settings.shards)
+    return ShardedTokenStreams(
+        [TokenStreams(client, protocol.shard_stream_key(ns, name, s), settings.group,
+                      settings.consumer, settings.result_ttl_ms,
+                      protocol.shard_answered_key(ns, name, s)) for s in range(count)],
+        settings.result_ttl_ms)
+
+
 # What the pipeline holds: a part of a single Redis, or its sharded twin (same calls).
 AnyReader = StreamReader | ShardedReader
 AnyReplier = Replier | ShardedReplier
 AnyReclaimer = Reclaimer | ShardedReclaimer
 AnyDeadLetters = DeadLetters | ShardedDeadLetters
+AnyTokenStreams = TokenStreams | ShardedTokenStreams

@@ -23,19 +23,17 @@ from typing import Any
 
 import redis
 
-from producer import protocol
+from producer import connection, protocol
 from worker.streams.reader import as_text, is_group_lost
 
 ALREADY_WRITTEN = "equal or smaller"  # XADD's refusal of an id not above the last one
 
-FINISH_AND_ACK = """
--- KEYS[1] request stream, KEYS[2] answered counter, KEYS[3..n+2] reply streams
--- ARGV[1] group, ARGV[2] consumer, ARGV[3] ttl ms, then n triples: entry id, chunk id, data
--- Returns the entry ids not answered because this consumer no longer owns them.
--- The id is taken when the stream holds more than this worker wrote (chunks of a previous
--- owner, before an error answer found no progress): then the done entry goes after its last
--- entry, unless that one is a done entry already (only the ack is left).
-local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+# Appends a `done` entry; shared by FINISH_AND_ACK and, on a Redis Cluster, the write of a
+# done entry to a reply stream in another slot (streams/shard_token_streams.py).
+# The id is taken when the stream holds more than this worker wrote (chunks of a previous
+# owner, before an error answer found no progress): then the done entry goes after its last
+# entry, unless that one is a done entry already (nothing is left to write).
+APPEND_DONE = """
 local function after_top(key)  -- the id after the last entry; nil if that one is `done`
   local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
   if not top then return nil end
@@ -46,25 +44,37 @@ local function after_top(key)  -- the id after the last entry; nil if that one i
   if ok and type(envelope) == 'table' and envelope['type'] == 'done' then return nil end
   return (tonumber(string.match(top[1], '^(%d+)')) + 1) .. '-1'
 end
+-- nil when written (or there already), else the refusal; a key that is not a stream is
+-- skipped (acked all the same, or the entry would come back forever)
+local function append_done(key, id, data, ttl)
+  local added = redis.pcall('XADD', key, id, 'data', data)
+  if type(added) == 'table' and added.err
+      and string.find(added.err, 'equal or smaller', 1, true) then
+    local next_id = after_top(key)
+    added = next_id and redis.pcall('XADD', key, next_id, 'data', data) or 'done'
+  end
+  if type(added) == 'table' and added.err then
+    if string.find(added.err, 'WRONGTYPE', 1, true) then return nil end
+    return added
+  end
+  redis.call('PEXPIRE', key, ttl)
+  return nil
+end
+"""
+
+FINISH_AND_ACK = APPEND_DONE + """
+-- KEYS[1] request stream, KEYS[2] answered counter, KEYS[3..n+2] reply streams
+-- ARGV[1] group, ARGV[2] consumer, ARGV[3] ttl ms, then n triples: entry id, chunk id, data
+-- (empty data: only the ack, the done entry was written elsewhere first).
+-- Returns the entry ids not answered because this consumer no longer owns them.
+local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local dropped, acked = {}, 0
 for i = 1, #KEYS - 2 do
-  local id, key = ARGV[3 * i + 1], KEYS[i + 2]
-  local owned = redis.call('XPENDING', stream, group, id, id, 1, consumer)
-  if #owned == 1 then
-    local added = redis.pcall('XADD', key, ARGV[3 * i + 2], 'data', ARGV[3 * i + 3])
-    if type(added) == 'table' and added.err
-        and string.find(added.err, 'equal or smaller', 1, true) then
-      local next_id = after_top(key)
-      added = next_id and redis.pcall('XADD', key, next_id, 'data', ARGV[3 * i + 3]) or 'done'
-    end
-    if type(added) == 'table' and added.err then
-      -- the key is not a stream (acked all the same, or the entry would come back
-      -- forever); any other refusal (OOM) stops before the ack
-      if not string.find(added.err, 'WRONGTYPE', 1, true) then
-        return redis.error_reply(added.err)
-      end
-    else
-      redis.call('PEXPIRE', key, ttl)
+  local id, data = ARGV[3 * i + 1], ARGV[3 * i + 3]
+  if #redis.call('XPENDING', stream, group, id, id, 1, consumer) == 1 then
+    if data ~= '' then
+      local refused = append_done(KEYS[i + 2], ARGV[3 * i + 2], data, ttl)
+      if refused then return redis.error_reply(refused.err) end  -- OOM: before the ack
     end
     redis.call('XACK', stream, group, id)
     acked = acked + 1
@@ -156,6 +166,7 @@ class TokenStreams:
         self.stream, self.group, self.consumer = stream, group, consumer
         self.ttl_ms = ttl_ms
         self.answered_key = answered_key
+        self._cluster = connection.is_cluster_client(client)
         self._finish = client.register_script(FINISH_AND_ACK)
         self._keep_alive = client.register_script(KEEP_ALIVE)
 
@@ -187,15 +198,21 @@ class TokenStreams:
         for chunk in chunks:
             pipe.xadd(chunk.key, {"data": chunk.data}, id=f"{chunk.index}-1")
             pipe.pexpire(chunk.key, self.ttl_ms)
-        if cancel_keys:
+        if self._cluster:  # the keys are in many slots: one GET each, per node
+            for key in cancel_keys:
+                pipe.get(key)
+        elif cancel_keys:
             pipe.mget(list(cancel_keys))
         results = pipe.execute(raise_on_error=False)
-        for result in results[:2 * len(chunks)]:
+        for result in results:
             if isinstance(result, Exception) and not (
                     isinstance(result, redis.ResponseError) and
                     (ALREADY_WRITTEN in str(result) or "WRONGTYPE" in str(result))):
                 raise result
-        return [value is not None for value in results[-1]] if cancel_keys else []
+        flags = results[2 * len(chunks):]
+        if not self._cluster and cancel_keys:
+            flags = flags[0]
+        return [value is not None for value in flags]
 
     def finish(self, finals: Sequence[FinalChunk]) -> list[str]:
         """The last entry of each reply stream with the XACK of its request, atomically;
