@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -118,7 +119,16 @@ class ForeignReplies:
 
 
 class ShardedReplier:
-    """Answers for every shard: per shard the foreign pushes, then its reply-and-ack."""
+    """Answers for every shard: per shard the foreign pushes, then its reply-and-ack.
+
+    The shards are written at the same time, each in its own thread (the first in the
+    caller's): a shard's write is a round trip to its master, and with replicas_to_wait one
+    that lasts until a replica acknowledged it (WAIT), so one after another they added up.
+    Threads, not one thread sending every pipeline before reading any: each shard keeps the
+    plain redis-py calls of Replier and ForeignReplies on its own node connection, with
+    their fault handling (MOVED, ASK, NOSCRIPT, a connection lost mid-reply) unchanged; the
+    socket waits release the GIL. A shard's own steps (foreign push, then ack) stay in order.
+    """
 
     def __init__(self, repliers: Sequence[Replier], foreign: ForeignReplies) -> None:
         self.repliers = list(repliers)
@@ -131,31 +141,44 @@ class ShardedReplier:
         self._retry_at: dict[int, float] = {}  # send_available: a failing shard's next try
         self._delays: dict[int, Iterator[float]] = {}
         self._faults: dict[int, Exception] = {}
+        self._pool = ThreadPoolExecutor(max(1, len(self.repliers) - 1),
+                                        thread_name_prefix="redbatch-shard-reply")
 
     def send_available(self, replies: Sequence[Reply]) -> tuple[list[str], list[str]]:
         """Answer and ack on the shards whose master answers; (dropped ids, deferred ids).
         A shard whose master fails (killed, mid-failover) is deferred, and skipped until
         its backoff has passed, so the other shards' replies do not wait for it (the
-        reply thread holds the deferred answers and sends them again)."""
-        dropped: list[str] = []
+        reply thread holds the deferred answers and sends them again). Another fault is
+        raised once every shard was tried."""
         deferred: list[str] = []
+        due: dict[int, list[Reply]] = {}
         for shard, group in _per_shard(replies).items():
             if time.monotonic() < self._retry_at.get(shard, 0.0):
                 deferred += (tagged(r.entry_id, shard) for r in group)
                 continue
+            due[shard] = group
             if shard in self._faults:  # read the slot table again before the retry
                 connection.follow_cluster(self.foreign.client, self._faults[shard])
-            try:
-                dropped += (tagged(d, shard) for d in self._send_shard(shard, group))
+        done, faults = self._write(replies, due)
+        for shard, group in due.items():
+            fault = faults.get(shard)
+            if fault is None:
                 for state in (self._delays, self._retry_at, self._faults):
                     state.pop(shard, None)
-            except connection.CLUSTER_FAULTS as exc:
-                delay = next(self._delays.setdefault(shard, backoff_delays()))
-                self._retry_at[shard], self._faults[shard] = time.monotonic() + delay, exc
+            elif isinstance(fault, connection.CLUSTER_FAULTS):
+                self._defer(shard, fault)
                 deferred += (tagged(r.entry_id, shard) for r in group)
-                log.warning("replies.deferred", shard=shard, error=str(exc),
-                            retry_in_s=round(delay, 3))
-        return dropped, deferred
+        others = {s: f for s, f in faults.items() if not isinstance(f, connection.CLUSTER_FAULTS)}
+        if others:
+            raise _first(others)
+        self._partial = (None, {})
+        return [d for dropped in done.values() for d in dropped], deferred
+
+    def _defer(self, shard: int, fault: Exception) -> None:
+        delay = next(self._delays.setdefault(shard, backoff_delays()))
+        self._retry_at[shard], self._faults[shard] = time.monotonic() + delay, fault
+        log.warning("replies.deferred", shard=shard, error=str(fault),
+                    retry_in_s=round(delay, 3))
 
     def next_retry_s(self) -> float:
         """How long until a deferred shard is due again (within [0.01, 2] s)."""
@@ -165,21 +188,38 @@ class ShardedReplier:
     def send(self, replies: Sequence[Reply]) -> list[str]:
         """Answer and ack; returns the (tagged) entry ids dropped as no longer ours. A
         fault on one shard is raised after the other shards were written."""
-        per_shard = _per_shard(replies)
-        if self._partial[0] is not replies:  # not a retry of the call that failed
-            self._partial = (replies, {})
-        done, fault = self._partial[1], None
-        for shard, group in per_shard.items():
-            if shard in done:  # a retry skips the shards written before the fault
-                continue
-            try:
-                done[shard] = [tagged(d, shard) for d in self._send_shard(shard, group)]
-            except redis.RedisError as exc:  # the other shards' masters may be fine
-                fault = fault or exc
-        if fault is not None:
-            raise fault
+        done, faults = self._write(replies, _per_shard(replies))
+        if faults:
+            raise _first(faults)
         self._partial = (None, {})
         return [d for dropped in done.values() for d in dropped]
+
+    def _write(self, replies: Sequence[Reply], due: dict[int, list[Reply]]
+               ) -> tuple[dict[int, list[str]], dict[int, Exception]]:
+        """Every due shard written at once, but those that a failed call with the same
+        replies wrote (a retry must not answer them again, and their dropped ids are kept):
+        (dropped ids of every shard written, the fault of each shard that failed)."""
+        if self._partial[0] is not replies:  # not a retry of the call that failed
+            self._partial = (replies, {})
+        done = self._partial[1]
+        todo = [(shard, group) for shard, group in due.items() if shard not in done]
+        futures = [(s, self._pool.submit(self._attempt, s, g)) for s, g in todo[1:]]
+        outcomes = [(s, self._attempt(s, g)) for s, g in todo[:1]]  # meanwhile, here
+        outcomes += ((s, future.result()) for s, future in futures)
+        faults: dict[int, Exception] = {}
+        for shard, outcome in outcomes:
+            if isinstance(outcome, Exception):
+                faults[shard] = outcome
+            else:
+                done[shard] = outcome
+        return done, faults
+
+    def _attempt(self, shard: int, group: list[Reply]) -> list[str] | Exception:
+        """One shard's write (in a pool thread): its tagged dropped ids, or its fault."""
+        try:
+            return [tagged(d, shard) for d in self._send_shard(shard, group)]
+        except Exception as exc:  # handed to the caller, which raises or defers it
+            return exc
 
     def _send_shard(self, shard: int, group: list[Reply]) -> list[str]:
         replier = self.repliers[shard]
@@ -195,6 +235,12 @@ class ShardedReplier:
         """Ack entries that cannot be answered, on their shards."""
         for shard, raw_ids in by_shard(entry_ids).items():
             self.repliers[shard].ack(raw_ids)
+
+
+def _first(faults: dict[int, Exception]) -> Exception:
+    """The fault to raise: a bug before a Redis fault, else the first shard's."""
+    bugs = [f for f in faults.values() if not isinstance(f, redis.RedisError)]
+    return (bugs or list(faults.values()))[0]
 
 
 def _per_shard(replies: Sequence[Reply]) -> dict[int, list[Reply]]:
