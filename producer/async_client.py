@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
 import producer.client as base
@@ -38,6 +39,7 @@ class AsyncClient(base._Base):
         self._add_once = self.redis.register_script(ADD_ONCE)
         self._discovered = not connection.is_cluster_client(self.redis)
         self._discovering = asyncio.Lock()
+        self._nodes: dict[str, aioredis.Redis] = {}  # on a cluster: a client per master
 
     async def _discover(self) -> None:
         """On a cluster, the model's shard count (producer.backlog.shard_count), once; the
@@ -63,22 +65,31 @@ class AsyncClient(base._Base):
 
     async def _submit_sharded(self, ids: Sequence[str], entries: list[Any],
                               default_reply: bool, submitted: Sequence[str] = ()) -> None:
-        """Client._submit_sharded for asyncio, without WAIT (see docs/deploy.md): each
-        shard's part pipelined, or through ADD_IF_UNDER moving on past a full shard."""
+        """Client._submit_sharded for asyncio: each shard's part with ADD_ONCE + WAIT on
+        its master's connection when it has replicas, else pipelined, or through
+        ADD_IF_UNDER moving on past a full shard."""
         assert self.cycle is not None
         for shard, indices in self.cycle.spread(len(ids)).items():
             group_ids, group = [ids[i] for i in indices], [entries[i] for i in indices]
-            placed = await self._to_some_shard(shard, group, submitted)
+            placed = await self._to_some_shard(shard, group_ids, group, submitted)
             if default_reply:
                 self._remember(group_ids, placed)
             submitted = [*submitted, *group_ids]
 
-    async def _to_some_shard(self, shard: int, entries: list[Any],
+    async def _to_some_shard(self, shard: int, group_ids: list[str], entries: list[Any],
                              submitted: Sequence[str]) -> int:
         assert self.cycle is not None
         backlog = 0
         for candidate in self.cycle.after(shard):
             stream = self._stream_of(candidate)
+            if wanted := await self._wanted_on(candidate):
+                try:
+                    await self._add_replicated(group_ids, entries, wanted, submitted,
+                                               candidate)
+                    return candidate
+                except Overloaded as exc:
+                    backlog = exc.backlog
+                    continue
             if self.max_backlog is None:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for fields in entries:
@@ -93,29 +104,60 @@ class AsyncClient(base._Base):
         raise Overloaded(backlog, self.max_backlog, submitted)
 
     async def _wanted(self) -> int:
-        if connection.is_cluster_client(self.redis):
-            return 0
-        if self.replicas.needs_reading():
-            self.replicas.update(await self.redis.info("replication"))
-        return self.replicas.current()
+        return 0 if connection.is_cluster_client(self.redis) else await self._wanted_on(None)
+
+    async def _wanted_on(self, shard: int | None) -> int:
+        """The replicas to wait for: the master's (on a cluster, the shard's master's)."""
+        replicas = self._replicas_of(shard)
+        if replicas.needs_reading():
+            node = self._node(self._stream_of(shard))
+            replicas.update(await node.info("replication"))
+        return replicas.current()
+
+    def _node(self, key: str) -> Any:
+        """The client itself, or on a cluster a client of the master of `key`'s slot: a
+        write and its WAIT go on one connection (connection.node_client, for asyncio; its
+        ClusterNodes have no client of their own)."""
+        if not connection.is_cluster_client(self.redis):
+            return self.redis
+        cluster: Any = self.redis
+        node = cluster.get_node_from_key(key)
+        if node.name not in self._nodes:
+            kwargs = {**node.connection_kwargs, "host": node.host, "port": node.port}
+            pool = aioredis.ConnectionPool(connection_class=node.connection_class, **kwargs)
+            self._nodes[node.name] = aioredis.Redis(connection_pool=pool)
+        return self._nodes[node.name]
 
     async def _add_replicated(self, ids: Sequence[str], entries: list[Any], wanted: int,
-                              submitted: Sequence[str] = ()) -> None:
+                              submitted: Sequence[str] = (), shard: int | None = None) -> None:
         """Client._add_replicated for asyncio."""
-        keys, args = self._once_call(ids, entries)
+        keys, args = self._once_call(ids, entries, shard)
+        replicas = self._replicas_of(shard)
+        fault: Exception | None = None
         for attempt in range(base.RESUBMITS + 1):
+            if fault is not None:  # the slot table as it is now, not as at the fault
+                await connection.follow_cluster_async(self.redis, fault)
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
+                async with self._node(keys[0]).pipeline(transaction=False) as pipe:
                     await self._add_once(keys=keys, args=args, client=pipe)
-                    pipe.wait(wanted, self.replicas.timeout_ms)
+                    pipe.wait(wanted, replicas.timeout_ms)
                     result, acked = await pipe.execute()
-                if self._replicated(result, acked, wanted, submitted):
+                if self._replicated(result, acked, wanted, submitted, replicas):
                     return
-                if not (wanted := await self._wanted()):
+                if not (wanted := await self._wanted_on(shard)):
                     return
-            except base.RESUBMIT_ERRORS:
+            except redis.exceptions.AskError as exc:
+                if not isinstance(exc, redis.exceptions.MovedError):  # mid-migration
+                    self.short_waits += 1  # through the cluster client (ASKING), no WAIT
+                    self._accepted(await self._add_once(keys=keys, args=args), submitted)
+                    return
                 if attempt == base.RESUBMITS:
                     raise
+                fault = exc
+            except base.RESUBMIT_ERRORS as exc:
+                if attempt == base.RESUBMITS:
+                    raise
+                fault = exc
             await asyncio.sleep(base.RESUBMIT_DELAY_S * 2**attempt)
 
     async def submit(self, payload: Any, *, request_id: str | None = None,
@@ -181,4 +223,6 @@ class AsyncClient(base._Base):
         return await self.result(await self.submit(payload, **options), timeout)
 
     async def close(self) -> None:
+        for node in self._nodes.values():
+            await node.aclose()
         await self.redis.aclose()

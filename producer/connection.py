@@ -224,6 +224,19 @@ def follow_cluster(client: Any, exc: Exception) -> None:
         pass  # no node answers yet: the next retry tries again
 
 
+async def follow_cluster_async(client: Any, exc: Exception) -> None:
+    """follow_cluster for an asyncio RedisCluster."""
+    if not is_cluster_client(client):
+        return
+    if isinstance(exc, redis.exceptions.MovedError):
+        await client.nodes_manager.move_slot(exc)
+        return
+    try:
+        await client.nodes_manager.initialize()
+    except (redis.RedisError, redis.exceptions.RedisClusterException):
+        pass  # no node answers yet: the next retry tries again
+
+
 AUTO = -1  # replicas_to_wait: 1 when the master has a connected replica, else 0
 AUTO_REFRESH_S = 30.0
 
