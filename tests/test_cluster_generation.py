@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from producer import Client, protocol
+from producer.connection import ReplicaCount
 from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush
 from tests.conftest import wait_until
 from tests.test_cluster import worker_process
@@ -149,3 +150,39 @@ def test_reply_streams_in_another_slot_get_one_done_entry(rig: ClusterRig) -> No
             script(keys=[key], args=[60000, "2-1", b'{"type":"done","ok":true}'])
         assert [e[0] for e in client.xrange(key)] == [b"1-1", b"2-1"]
         assert 0 < client.pttl(key) <= 60000
+
+
+def test_a_done_entry_and_its_ack_wait_for_the_shard_s_replica(rig: ClusterRig) -> None:
+    """TokenStreams.finish runs WAIT on the shard master's connection: met while the
+    replica answers, short (counted) while it sleeps; the entry is answered either way."""
+    import threading
+    import time
+
+    from worker.observe import metrics
+    from worker.streams.token_streams import Chunk, FinalChunk, TokenStreams
+
+    with redis.RedisCluster.from_url(rig.url()) as client:
+        stream = protocol.shard_stream_key("redbatch", "lm", 0)
+        streams = TokenStreams(client, stream, "workers", "me", 60000,
+                               protocol.shard_answered_key("redbatch", "lm", 0), "lm",
+                               ReplicaCount(1, 50))
+        client.xgroup_create(stream, "workers", id="0", mkstream=True)
+        short = metrics.REPLICATION_SHORT.labels("lm")
+
+        def finish_one(index: int) -> None:
+            entry = client.xadd(stream, {"id": f"r{index}"}).decode()
+            client.xreadgroup("workers", "me", {stream: ">"})
+            key = protocol.shard_token_stream_key("redbatch", "lm", 0, f"r{index}")
+            assert streams.finish([FinalChunk(entry, Chunk(key, 1, b'{"type":"done"}'))]) == []
+            assert client.xlen(key) == 1
+
+        before = short._value.get()
+        finish_one(1)
+        assert short._value.get() == before  # the replica acknowledged
+        sleeper = rig.replica_of(rig.master_of(stream)).client(socket_timeout=10)
+        threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "1"),
+                         daemon=True).start()
+        time.sleep(0.2)
+        finish_one(2)
+        assert short._value.get() == before + 1
+        assert client.xpending(stream, "workers")["pending"] == 0

@@ -180,7 +180,8 @@ def generation_parts(settings: Settings, model: Model, client: redis.Redis,
     streams: AnyTokenStreams = sharded_token_streams(settings, client) \
         if connection.is_cluster_client(client) else TokenStreams(
             client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
-            protocol.answered_key(settings.namespace, settings.model_name))
+            protocol.answered_key(settings.namespace, settings.model_name), settings.model_name,
+            connection.ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
     return GenerationParts(model.engine(), DecodingScheduler(model.scheduler_limits()),
                            streams)
 

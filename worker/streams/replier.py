@@ -97,6 +97,46 @@ class Reply:
     envelope: bytes
 
 
+class ReplicatedScript:
+    """A script run on a stream's master, then (when replicas are wanted) WAIT on the same
+    connection: a plain pipeline, on a cluster to the stream's master
+    (connection.node_client). A short WAIT is counted; what the script did stands all the
+    same (replication is asynchronous: WAIT narrows the window of loss, it cannot close it)."""
+
+    def __init__(self, client: Any, stream: str, script: str, model_name: str,
+                 replicas: ReplicaCount) -> None:
+        self.client, self.stream, self.model_name = client, stream, model_name
+        self.replicas = replicas
+        self._script = client.register_script(script)
+
+    def run(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        for _ in range(MOVED_RETRIES):
+            try:
+                return self._run_once(keys, args)
+            except redis.exceptions.MovedError as exc:  # the cluster client follows its own
+                connection.follow_cluster(self.client, exc)
+            except redis.exceptions.AskError:  # a slot mid-migration: redis-py sends ASKING
+                metrics.REPLICATION_SHORT.labels(self.model_name).inc()  # no WAIT this once
+                return self._script(keys=keys, args=args)
+            except connection.CLUSTER_FAULTS as exc:
+                connection.follow_cluster(self.client, exc)
+                raise
+        raise redis.exceptions.TryAgainError(f"{self.stream}: its slot keeps moving")
+
+    def _run_once(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        node = connection.node_client(self.client, self.stream)
+        wanted = self.replicas.count(node)
+        if not wanted:
+            return self._script(keys=keys, args=args)
+        result, acked = script_then_wait(node, self._script, keys, args, wanted,
+                                         self.replicas.timeout_ms)
+        if acked < wanted:
+            metrics.REPLICATION_SHORT.labels(self.model_name).inc()
+            self.replicas.short()
+            log.debug("replies.replication_short", replicas=acked, wanted=wanted)
+        return result
+
+
 class Replier:
     """Writes answers for one stream on behalf of one consumer."""
 
@@ -111,8 +151,9 @@ class Replier:
         self.consumer = consumer
         self.ttl_ms = ttl_ms
         self.model_name = model_name or stream.rpartition(":")[2]
-        self._script = client.register_script(REPLY_AND_ACK)
         self.replicas = replicas or ReplicaCount(0)
+        self._writes = ReplicatedScript(client, stream, REPLY_AND_ACK, self.model_name,
+                                        self.replicas)
 
     def send(self, replies: Sequence[Reply]) -> list[str]:
         """Answer and ack atomically; returns the entry ids dropped as no longer ours."""
@@ -135,36 +176,7 @@ class Replier:
         return [as_text(d) for d in dropped]
 
     def _write(self, keys: list[str], args: list[str | bytes | int]) -> list[list[bytes]]:
-        """The script, then (when replicas are wanted) WAIT on the same connection: a plain
-        pipeline, on a cluster to the stream's master (connection.node_client). A short WAIT
-        is counted; the entries are acked on the master all the same (replication is
-        asynchronous: WAIT narrows the window of loss, it cannot close it)."""
-        for _ in range(MOVED_RETRIES):
-            try:
-                return self._write_once(keys, args)
-            except redis.exceptions.MovedError as exc:  # the cluster client follows its own
-                connection.follow_cluster(self.client, exc)
-            except redis.exceptions.AskError:  # a slot mid-migration: redis-py sends ASKING
-                metrics.REPLICATION_SHORT.labels(self.model_name).inc()  # no WAIT this once
-                result: list[list[bytes]] = self._script(keys=keys, args=args)
-                return result
-            except connection.CLUSTER_FAULTS as exc:
-                connection.follow_cluster(self.client, exc)
-                raise
-        raise redis.exceptions.TryAgainError(f"{self.stream}: its slot keeps moving")
-
-    def _write_once(self, keys: list[str], args: list[str | bytes | int]) -> list[list[bytes]]:
-        node = connection.node_client(self.client, self.stream)
-        wanted = self.replicas.count(node)
-        if not wanted:
-            result: list[list[bytes]] = self._script(keys=keys, args=args)
-            return result
-        result, acked = script_then_wait(node, self._script, keys, args, wanted,
-                                         self.replicas.timeout_ms)
-        if acked < wanted:
-            metrics.REPLICATION_SHORT.labels(self.model_name).inc()
-            self.replicas.short()
-            log.debug("replies.replication_short", replicas=acked, wanted=wanted)
+        result: list[list[bytes]] = self._writes.run(keys, args)
         return result
 
     def ack(self, entry_ids: Sequence[str]) -> None:

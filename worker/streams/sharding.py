@@ -99,7 +99,10 @@ def sharded_token_streams(settings: Settings, client: Any) -> ShardedTokenStream
     return ShardedTokenStreams(
         [TokenStreams(client, protocol.shard_stream_key(ns, name, s), settings.group,
                       settings.consumer, settings.result_ttl_ms,
-                      protocol.shard_answered_key(ns, name, s)) for s in range(count)],
+                      protocol.shard_answered_key(ns, name, s), name,
+                      connection.ReplicaCount(settings.replicas_to_wait,
+                                              settings.replicas_wait_ms))
+         for s in range(count)],
         settings.result_ttl_ms)
 
 

@@ -24,7 +24,9 @@ from typing import Any
 import redis
 
 from producer import connection, protocol
+from producer.connection import ReplicaCount
 from worker.streams.reader import as_text, is_group_lost
+from worker.streams.replier import ReplicatedScript
 
 ALREADY_WRITTEN = "equal or smaller"  # XADD's refusal of an id not above the last one
 
@@ -161,13 +163,18 @@ class TokenStreams:
     """Writes reply streams for one request stream on behalf of one consumer."""
 
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
-                 ttl_ms: int, answered_key: str) -> None:
+                 ttl_ms: int, answered_key: str, model_name: str = "",
+                 replicas: ReplicaCount | None = None) -> None:
+        """`replicas`: WAIT for that many replicas after each done entry and its ack (as
+        the Replier does after a reply); chunks do not wait."""
         self.client = client
         self.stream, self.group, self.consumer = stream, group, consumer
         self.ttl_ms = ttl_ms
         self.answered_key = answered_key
         self._cluster = connection.is_cluster_client(client)
-        self._finish = client.register_script(FINISH_AND_ACK)
+        self._finish = ReplicatedScript(client, stream, FINISH_AND_ACK,
+                                        model_name or stream.rpartition(":")[2],
+                                        replicas or ReplicaCount(0))
         self._keep_alive = client.register_script(KEEP_ALIVE)
 
     def progress(self, keys: Sequence[str]) -> list[Progress]:
@@ -224,7 +231,7 @@ class TokenStreams:
         for final in finals:
             args += (final.entry_id, f"{final.chunk.index}-1", final.chunk.data)
         try:
-            dropped: list[bytes] = self._finish(keys=keys, args=args)
+            dropped: list[bytes] = self._finish.run(keys, args)
         except redis.ResponseError as exc:
             if not is_group_lost(exc):
                 raise
