@@ -15,7 +15,7 @@ import torch
 from tests.tiny_lm import build_tiny_lm
 from worker.execution.generation import GenerationEngine, kv_bytes_per_token
 from worker.execution.sampling import SamplingParams, TextState
-from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
+from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState, StepPlan, Work
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 Arrival = tuple[str, list[int], SamplingParams]
@@ -165,3 +165,20 @@ def test_held_back_text_is_released_once_it_cannot_start_a_stop_string() -> None
 def test_tiny_model_is_built_offline(tmp_path: Path) -> None:
     path = build_tiny_lm(tmp_path)
     assert (path / "config.json").exists() and (path / "tokenizer.json").exists()
+
+
+def test_a_prefilled_token_is_handed_out_before_the_step_s_other_forwards(
+        tiny: tuple[Any, Any]) -> None:
+    """on_prefilled sees each prefilled sequence's token while the running sequence's
+    decode is still to come (the generate loop streams it at once)."""
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), [tokenizer.eos_token_id])
+    engine.add("running", [5, 6, 7], SamplingParams(max_new_tokens=8))
+    engine.step(StepPlan(prefill=[Work("running", 0, 3, True)]))
+    engine.add("new", [9, 10, 11, 12], SamplingParams(max_new_tokens=8))
+    seen: list[tuple[str, int]] = []
+    plan = StepPlan(decode=[Work("running", 3, 4, True)], prefill=[Work("new", 0, 4, True)])
+    output = engine.step(plan, lambda d: seen.append((d.id, engine.seqs["running"].cached)))
+    assert seen == [("new", 3)]  # "running" had not decoded yet
+    assert sorted(d.id for d in output.deltas) == ["new", "running"]
+    assert engine.seqs["running"].cached == 4

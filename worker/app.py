@@ -31,8 +31,7 @@ from worker.execution.memory import MemoryProbe, memory_probe
 from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
-from worker.pipeline.generate import GenerationParts
-from worker.pipeline.worker import Parts, Worker
+from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
 from worker.policy.decoding import DecodingScheduler
 from worker.policy.governor import (

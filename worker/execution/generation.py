@@ -16,7 +16,7 @@ pipeline/generate.py, calls it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,19 +105,25 @@ class GenerationEngine:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> StepOutput:
+    def step(self, plan: StepPlan,
+             on_prefilled: Callable[[Delta], None] | None = None) -> StepOutput:
+        """Run the plan. `on_prefilled` is called with each prefilled sequence's new token
+        as soon as its own forward is done, before the step's other forwards: its reply
+        stream can carry a first token while the other prefills run."""
         for seq_id in plan.preempted:
             self._forget(self.seqs[seq_id])
-        logits: dict[str, torch.Tensor] = {}
+        output = StepOutput()
         decode = [w for w in plan.decode if w.start > 0]  # a 1-token prompt has no cache
         for work in plan.prefill + [w for w in plan.decode if w.start == 0]:
-            logits[work.id] = self._prefill(self.seqs[work.id], work)
-        if decode:
-            logits.update(self._decode(decode))
-        output = StepOutput()
-        for work in plan.work:
+            seq = self.seqs[work.id]
+            logits = self._prefill(seq, work)
             if work.emits:
-                output.deltas.append(self._sample(self.seqs[work.id], logits[work.id]))
+                output.deltas.append(self._sample(seq, logits))
+                if on_prefilled is not None:
+                    on_prefilled(output.deltas[-1])
+        if decode:
+            for seq_id, row in self._decode(decode).items():
+                output.deltas.append(self._sample(self.seqs[seq_id], row))
         return output
 
     def _sample(self, seq: EngineSeq, logits: torch.Tensor) -> Delta:

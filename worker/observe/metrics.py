@@ -126,6 +126,16 @@ GENERATIONS_FINISHED = Counter("redbatch_generations_finished", "Generations end
                                ["model", "reason"])
 
 
+def record_step(model: str, seconds: float, tokens: int, preempted: int, running: int,
+                waiting: int) -> None:
+    """One continuous-batching step of a generative model."""
+    DECODING_STEP_TIME.labels(model).observe(seconds)
+    GENERATED_TOKENS.labels(model).inc(tokens)
+    PREEMPTIONS.labels(model).inc(preempted)
+    SEQUENCES.labels(model, "running").set(running)
+    SEQUENCES.labels(model, "waiting").set(waiting)
+
+
 def observe_all(histogram: Any, values: Sequence[float]) -> None:
     """Observe many values of one labelled histogram at once, as observe() would each.
 

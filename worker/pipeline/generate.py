@@ -1,15 +1,13 @@
 """The generate loop: continuous batching of a generative model, on one thread.
 
 It replaces the compute loops when the model is generative (`Model.generative`). Between two
-decoding steps it takes every request the intake queued (the batcher is its inbox: one FIFO
-bucket, deadlines checked), hands them to the scheduler (policy/decoding.py), runs one step
-on the engine (execution/generation.py), and writes what the step produced: the text
-chunks of streamed requests and the step's cancel check in one round trip
-(streams/token_streams.py). Finished requests become answers for the reply thread, which
-writes the `done` entry (or the list reply) with the XACK, ownership-checked.
-
-It sends Redis commands itself (the chunks and the cancel check, through RedisRetry): a
-chunk must be out before the next step, not after the answer.
+steps it takes every request the intake queued (the batcher is its inbox: one FIFO bucket,
+deadlines checked) into the scheduler (policy/decoding.py), runs a step on the engine
+(execution/generation.py), and writes the step's text chunks with its cancel check in one
+round trip (streams/token_streams.py); a prefilled request's first chunk goes out as soon as
+its own forward is done. Finished requests become answers for the reply thread, which writes
+the `done` entry (or the list reply) with the XACK, ownership-checked. The chunks are sent
+from here (through RedisRetry): a chunk must be out before the next step.
 
 Durability: a redelivered request (claimed from a dead consumer, or our own after a restart)
 continues from what its reply stream holds: the prompt and the tokens already streamed are
@@ -28,7 +26,7 @@ import structlog
 
 from producer import protocol
 from producer.protocol import ErrorCode
-from worker.execution.generation import GenerationEngine, StepOutput
+from worker.execution.generation import GenerationEngine
 from worker.execution.sampling import Delta
 from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
@@ -57,15 +55,6 @@ class GenerateConfig:
     consumer: str
     namespace: str
     keepalive_s: float = 10.0  # below claim_idle_ms, so a live entry never looks idle
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationParts:
-    """What the composition root builds for a generative model."""
-
-    engine: GenerationEngine
-    scheduler: DecodingScheduler
-    streams: AnyTokenStreams
 
 
 @dataclass(slots=True)
@@ -208,14 +197,15 @@ class GenerateLoop:
         for entry_id in plan.admitted:
             live = self.live[entry_id]
             live.started_ms = live.started_ms or now_ms
+        early: set[str] = set()
         try:
-            output = self.engine.step(plan)
+            output = self.engine.step(plan, lambda delta: self._write_first(delta, early))
         except Exception as exc:
             log.exception("generate.step_failed", sequences=len(plan.work))
             self._fail_all(plan, exc)
             return
         self.steps += 1
-        cancelled = self._write(output.deltas)
+        cancelled = self._write([d for d in output.deltas if d.id not in early])
         reasons = {d.id: d.finish_reason for d in output.deltas if d.finish_reason}
         gone = [s.id for s in self.scheduler.update(output.finished)]
         gone += [c for c in cancelled if c not in gone and self.scheduler.remove(c)]
@@ -223,21 +213,29 @@ class GenerateLoop:
         answers += self._expire()
         if answers:
             self.answers.put(answers)
-        self._record(plan, output, time.perf_counter() - started)
+        metrics.record_step(self.config.model_name, time.perf_counter() - started,
+                            len(output.deltas), len(plan.preempted),
+                            len(self.scheduler.running), len(self.scheduler.waiting))
         log.debug("generate.step", decode=len(plan.decode), prefill=len(plan.prefill),
                   tokens=plan.tokens, preempted=len(plan.preempted), finished=len(gone))
 
-    def _record(self, plan: StepPlan, output: StepOutput, seconds: float) -> None:
-        name = self.config.model_name
-        metrics.DECODING_STEP_TIME.labels(name).observe(seconds)
-        metrics.GENERATED_TOKENS.labels(name).inc(len(output.deltas))
-        metrics.PREEMPTIONS.labels(name).inc(len(plan.preempted))
-        metrics.SEQUENCES.labels(name, "running").set(len(self.scheduler.running))
-        metrics.SEQUENCES.labels(name, "waiting").set(len(self.scheduler.waiting))
+    def _write_first(self, delta: Delta, early: set[str]) -> None:
+        """A prefilled sequence's token, written as soon as it is sampled (mid-step)."""
+        early.add(delta.id)
+        if chunks := self._chunks([delta]):
+            self.retry(self.streams.write, chunks, [])
 
     def _write(self, deltas: list[Delta]) -> set[str]:
         """The step's chunks, and the cancel check of every live request, in one round
         trip; returns the entry ids cancelled."""
+        ids = list(self.live)
+        keys = [protocol.cancel_key(self.config.namespace, self.live[i].pending.request.id)
+                for i in ids]
+        flags = self.retry(self.streams.write, self._chunks(deltas), keys)
+        return {i for i, flag in zip(ids, flags, strict=True) if flag}
+
+    def _chunks(self, deltas: list[Delta]) -> list[Chunk]:
+        """The reply stream entries of these deltas (and their first-token times)."""
         now_ms = time.time() * 1000
         chunks = []
         for delta in deltas:
@@ -252,11 +250,7 @@ class GenerateLoop:
                 envelope = delta_envelope(request.id, live.chunks, delta.text, delta.token_ids)
                 chunks.append(Chunk(live.key, live.chunks,
                                     protocol.encode(envelope, request.content_type)))
-        ids = list(self.live)
-        keys = [protocol.cancel_key(self.config.namespace, self.live[i].pending.request.id)
-                for i in ids]
-        flags = self.retry(self.streams.write, chunks, keys)
-        return {i for i, flag in zip(ids, flags, strict=True) if flag}
+        return chunks
 
     def _finish(self, entry_id: str, reason: str) -> Answer:
         live = self.live.pop(entry_id)

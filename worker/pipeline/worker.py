@@ -20,26 +20,43 @@ from dataclasses import dataclass
 
 import structlog
 
+from worker.execution.generation import GenerationEngine
 from worker.execution.runner import BatchRunner
 from worker.models.base import Model
 from worker.observe import metrics
 from worker.pipeline.answers import AnswerQueue
 from worker.pipeline.compute import ComputeConfig, ComputeLoop
-from worker.pipeline.generate import GenerateConfig, GenerateLoop, GenerationParts
+from worker.pipeline.generate import GenerateConfig, GenerateLoop
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.intake import Intake, IntakeConfig
 from worker.pipeline.reply import ReplyWriter
 from worker.pipeline.retry import Grace, RedisRetry, ShutdownExpired
 from worker.policy.batching import Batcher
+from worker.policy.decoding import DecodingScheduler
 from worker.policy.flow import FlowPolicy
 from worker.policy.governor import Governor
 from worker.policy.layout import Layout
 from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
 from worker.streams.maintenance import Maintenance
-from worker.streams.sharding import AnyDeadLetters, AnyReader, AnyReclaimer, AnyReplier
+from worker.streams.sharding import (
+    AnyDeadLetters,
+    AnyReader,
+    AnyReclaimer,
+    AnyReplier,
+    AnyTokenStreams,
+)
 
 log = structlog.get_logger("redbatch.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParts:
+    """What the composition root builds for a generative model."""
+
+    engine: GenerationEngine
+    scheduler: DecodingScheduler
+    streams: AnyTokenStreams
 
 
 @dataclass(frozen=True)
