@@ -22,6 +22,7 @@ from producer.connection import ReplicaCount
 from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush
 from tests.conftest import wait_until
 from tests.test_cluster import worker_process
+from tests.test_generation_durability import entries_of
 from tests.tiny_lm import build_tiny_lm
 
 __all__ = ["cluster"]  # the fixture, imported for pytest
@@ -44,15 +45,6 @@ def rig(cluster: ClusterRig) -> Iterator[ClusterRig]:
 
 def options(tiny_path: Path) -> dict[str, Any]:
     return {"path": str(tiny_path), "max_new_tokens": 24, "max_new_tokens_limit": 120}
-
-
-def entries_of(client: Any, key: str) -> list[tuple[str, dict[str, Any]]]:
-    found = []
-    for entry_id, fields in client.xrange(key):
-        data = fields[b"data"]
-        found.append((entry_id.decode(), protocol.decode(
-            data, protocol.JSON if data[:1] == b"{" else protocol.MSGPACK)))
-    return found
 
 
 def is_done(client: Any, key: str) -> bool:
