@@ -100,6 +100,7 @@ class RssPeak:
         self.status = Path(f"/proc/{pid}/status")
         self.interval_s = interval_s
         self.peak_bytes = 0
+        self.start_bytes = 0  # when the block began: the model loaded, before serving
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True, name="rss")
 
@@ -114,7 +115,7 @@ class RssPeak:
             self.peak_bytes = max(self.peak_bytes, self.field_bytes("VmRSS"))
 
     def __enter__(self) -> RssPeak:
-        self.peak_bytes = self.field_bytes("VmRSS")
+        self.peak_bytes = self.start_bytes = self.field_bytes("VmRSS")
         self._thread.start()
         return self
 
