@@ -181,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase-s", type=float, default=60.0)
     parser.add_argument("--json", type=str, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
-    from bench.latency_report import report, table  # the goals, as a table
+    from bench.latency_report import details, report, table  # the goals, as tables
 
     results = report(args.seed, args.phase_s)
     print(table(results))
+    print(details(results))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)

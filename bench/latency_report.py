@@ -153,3 +153,35 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def details(results: dict[str, Any]) -> str:
+    """Markdown: each goal's figures per contender, ✗ where its bar is missed."""
+    lines = []
+    for scenario, goals in results.items():
+        target = goals["target_ms"]
+        lines += [f"#### {scenario}: C = {goals['capacity_per_s']}/s, T = {target} ms", "",
+                  "| policy | G1 worst 10 s window p99 (ms) | G1 goodput / best static (worst "
+                  "phase) | G2 p50 / no-wait p50 | G3 goodput / C | G3 admitted within T | G3 "
+                  "slowest refusal (ms) | G4 worst window after 3 (ms) | G5 worst bucket p99 "
+                  "(ms) |", "|---|" + "---:|" * 8]
+        for name in goals["G1 step load"]:
+            g1, g2 = goals["G1 step load"][name], goals["G2 light load"][name]
+            g3, g4 = goals["G3 overload"][name], goals["G4 drift"][name]["windows_ms"]
+            g5 = max(goals["G5 mixed lengths"][name]["bucket_percentiles_ms"].values(),
+                     default=0.0)
+            after = max(g4[len(g4) // 2 + 3:], default=0.0)
+
+            def mark(value: float, missed: bool) -> str:
+                return f"{value:g}{' ✗' if missed else ''}"
+
+            cells = [mark(g1["worst_window_ms"], not g1["met"]),
+                     mark(g1["goodput_vs_best_static"], g1["goodput_vs_best_static"] < 0.95),
+                     mark(g2["p50_vs_no_wait"], not g2["met"]),
+                     mark(g3["goodput_vs_c"], g3["goodput_vs_c"] < 0.9),
+                     mark(g3["admitted_within_t"], g3["admitted_within_t"] < 0.99),
+                     mark(g3["slowest_refusal_ms"], g3["slowest_refusal_ms"] > 0.05 * target),
+                     mark(after, after > target), mark(g5, g5 > target)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)

@@ -84,6 +84,30 @@ def test_the_batch_shrinks_to_what_still_meets_its_deadlines() -> None:
     assert 20 <= decision.size <= 30
 
 
+def test_under_load_it_does_not_shrink_below_what_keeps_up_with_arrivals() -> None:
+    """At 1.3 arrivals per ms one instance needs batches of 32 (32 per 42 ms): a batch of
+    20 would save its oldest members and make the whole queue behind them late."""
+    loaded, quiet = trained(), trained()
+    for t in range(0, 3000):
+        loaded.arrived(0, NOW - 3000 + t, count=1 + (t % 10 < 3))
+    assert loaded.sustained_size(0, members(32), NOW) >= 30
+    assert quiet.sustained_size(0, members(32), NOW) == 1
+    decision = loaded.decide(0, members(32, enqueued=NOW - 60), None, NOW)
+    assert decision.ready and decision.size >= 30
+
+
+def test_right_after_a_step_up_the_queue_shows_the_rate_the_count_has_not_caught() -> None:
+    """40 queued within the last 30 ms: 1.3 per ms, whatever the decaying count says."""
+    policy = trained()
+    policy.arrived(0, NOW - 3000)
+    queue = members(32, enqueued=NOW - 30)
+    assert policy.sustained_size(0, queue, NOW) == 1
+    assert policy.sustained_size(0, queue, NOW, queued=40) == 32
+    due = members(32, enqueued=NOW - 30, deadline=NOW + 35)  # 32 end at 42 ms, 24 at 34
+    assert policy.decide(0, due, None, NOW).size < 32
+    assert policy.decide(0, due, None, NOW, queued=40).size == 32
+
+
 def test_a_batch_that_is_late_anyway_goes_whole() -> None:
     decision = trained().decide(0, members(10, enqueued=NOW - 500), None, NOW)
     assert decision.ready and decision.size == 10 and decision.slack_ms < 0
@@ -98,6 +122,16 @@ def test_it_waits_only_while_the_next_arrival_raises_throughput() -> None:
     quiet.arrived(0, NOW - 100)  # one arrival: the next is not worth waiting for
     sent = quiet.decide(0, members(2), None, NOW)
     assert sent.ready and sent.reason == "wait_paid_off"
+
+
+def test_no_wait_once_the_oldest_has_waited_a_whole_fixed_cost() -> None:
+    """The arrivals stopped (the rate estimate still says one per ms): a wait saves at most
+    one batch's fixed cost, so the oldest does not wait for its deadline."""
+    policy = trained()
+    for t in range(0, 3000):
+        policy.arrived(0, NOW - 3000 + t)
+    assert not policy.decide(0, members(2, enqueued=NOW - 5), None, NOW).ready
+    assert policy.decide(0, members(2, enqueued=NOW - 12), None, NOW).ready
 
 
 def test_no_wait_when_the_slack_would_run_out() -> None:
@@ -166,6 +200,35 @@ def test_busy_until_is_kept_per_instance() -> None:
     assert policy.start_in_ms(1, NOW) == 0
     policy.finished(0, 0, 32, 1, 40.0, NOW + 40)
     assert policy.start_in_ms(0, NOW + 40) == 0
+
+
+def test_a_batch_sent_counts_as_busy_before_its_start_is_told() -> None:
+    """On the CPU the run happens inside the launch and started() comes after it: the
+    batch is counted from its dispatch, so admission meanwhile sees the instance busy."""
+    policy, request = trained(instances=1, shed=True), Member(NOW + 10, None, 1)
+    assert policy.admit(request, 0, NOW + 10, queued_ms=60.0).admit
+    policy.dispatched(0, 32, 1, NOW)
+    assert policy.free_in_ms(NOW + 10) == pytest.approx(32, abs=2)
+    assert not policy.admit(request, 0, NOW + 10, queued_ms=60.0).admit
+    policy.started(0, 0, 32, 1, NOW + 42)  # told after the run: no phantom second run
+    assert policy.start_in_ms(0, NOW + 42) < 2 and not policy.sent
+    policy.finished(0, 0, 32, 1, 42.0, NOW + 42)
+    assert policy.free_in_ms(NOW + 42) == 0
+
+
+def test_with_two_instances_one_free_one_sent_the_free_one_is_first() -> None:
+    policy = trained(instances=2)
+    policy.dispatched(0, 32, 1, NOW)
+    assert policy.free_in_ms(NOW) == 0
+    policy.dispatched(0, 16, 1, NOW)
+    assert policy.free_in_ms(NOW) == pytest.approx(26, abs=2)
+
+
+def test_a_batch_sent_and_never_started_is_forgotten() -> None:
+    policy = trained()
+    policy.dispatched(0, 32, 1, NOW)
+    policy.dispatched(0, 8, 1, NOW + 60_000)
+    assert len(policy.sent) == 1 and policy.free_in_ms(NOW + 60_000) > 0
 
 
 def test_the_arrival_rate_decays_without_arrivals() -> None:

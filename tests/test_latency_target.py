@@ -4,6 +4,7 @@ the target is held, a deadline that cannot be met is answered at read time, and 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -120,3 +121,53 @@ def test_stats_shows_the_target_the_observed_percentile_and_the_margin() -> None
                               "margin_ms": 10.0})
     assert shown == "p99 182 of 250 ms, margin 10 ms"
     assert describe_latency(None) == "—"
+
+
+def test_read_time_answers_are_written_by_the_intake_with_the_ownership_check(
+        r: redis.Redis) -> None:
+    """A refusal is answered and acked in one script call from the intake's thread, not
+    queued behind results for the reply thread; one claimed by another meanwhile is not."""
+    from producer.protocol import ErrorCode, Request
+    from worker.pipeline.answers import AnswerQueue, error_answer
+    from worker.pipeline.inflight import InFlight
+    from worker.pipeline.reply import ReadTimeAnswers
+    from worker.pipeline.retry import Grace, RedisRetry
+    from worker.policy.flow import FlowPolicy
+    from worker.streams.replier import Replier
+
+    stream = "redbatch:requests:echo"
+    r.xgroup_create(stream, "workers", id="0", mkstream=True)
+    ids = [r.xadd(stream, {"id": f"e{i}", "payload": b"x"}).decode() for i in range(2)]
+    r.xreadgroup("workers", "w", {stream: ">"})
+    r.xclaim(stream, "workers", "thief", 0, [ids[1]])
+    inflight = InFlight(threading.Lock(), FlowPolicy(16, 16))
+    inflight.held.update(ids)
+    queue = AnswerQueue()
+    writer = ReadTimeAnswers("echo", Replier(r, stream, "workers", "w", 60_000, "answered"),
+                             inflight, queue, RedisRetry(Grace()))
+    writer.write([error_answer(entry_id, Request(f"e{i}", b"x", "application/msgpack",
+                                                 f"reply:{i}", None, 0),
+                               ErrorCode.OVERLOADED, "over the target", retry_after_ms=5)
+                  for i, entry_id in enumerate(ids)])
+    assert r.llen("reply:0") == 1 and not r.exists("reply:1")
+    assert [p["message_id"].decode() for p in r.xpending_range(stream, "workers", "-", "+", 9)] \
+        == [ids[1]]  # the thief's entry stays pending, for the thief to answer
+    assert not inflight.held and queue._queue.empty()
+
+
+def test_read_time_answers_go_through_the_reply_thread_on_a_cluster() -> None:
+    """The sharded replier keeps per-shard retry state that only the reply thread touches."""
+    from unittest.mock import Mock
+
+    from worker.pipeline.answers import Answer, AnswerQueue
+    from worker.pipeline.inflight import InFlight
+    from worker.pipeline.reply import ReadTimeAnswers
+    from worker.pipeline.retry import Grace, RedisRetry
+    from worker.policy.flow import FlowPolicy
+
+    replier, queue = Mock(), AnswerQueue()
+    writer = ReadTimeAnswers("echo", replier, InFlight(threading.Lock(), FlowPolicy(4, 4)),
+                             queue, RedisRetry(Grace()))
+    answer = Answer("1-0", "reply:x", "application/msgpack", {"ok": False}, 1)
+    writer.write([answer])
+    assert queue.next() == [answer] and not replier.send.called

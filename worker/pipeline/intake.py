@@ -1,9 +1,11 @@
 """The intake thread: read or claim entries, divert poison, parse, prepare, queue.
 
-It runs in the `redbatch-reader` thread. It never runs the model's forward pass and never
-writes a reply itself: bad entries become answers for the reply thread, good ones become
-Pending requests in the batcher. Its Redis calls are the reads and claims, the dead-letter
-diversion, and the XACK of entries that cannot be answered at all.
+It runs in the `redbatch-reader` thread. It never runs the model's forward pass: good
+entries become Pending requests in the batcher, bad ones (and those refused at read time,
+predicted to miss their deadline or the target) are answered at once, written by this
+thread in one reply-and-ack call per read (reply.ReadTimeAnswers), not queued behind the
+results. Its Redis calls are the reads and claims, the dead-letter diversion, that write,
+and the XACK of entries that cannot be answered at all.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from worker.models.base import Model
 from worker.observe import metrics
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer, refused_answer
 from worker.pipeline.inflight import InFlight
+from worker.pipeline.reply import ReadTimeAnswers
 from worker.pipeline.retry import RedisRetry
 from worker.pipeline.token_answers import routed_error
 from worker.policy.batching import Batcher, Pending
@@ -67,6 +70,7 @@ class Intake:
         self.answers = answers
         self.retry = retry
         self.targeted = targeted
+        self.read_time = ReadTimeAnswers(config.model_name, replier, inflight, answers, retry)
 
     def run(self, stopping: threading.Event) -> None:
         """Read until stopping; then tell the compute loops nothing more will come (what
@@ -104,7 +108,7 @@ class Intake:
                 self._queue_or_refuse(pending, now_ms, admission.bad)
             self.inflight.work.notify_all()
         if admission.bad:
-            self.answers.put(admission.bad)
+            self.read_time.write(admission.bad)
 
     def _queue_or_refuse(self, pending: Pending, now_ms: int, refused: list[Answer]) -> None:
         """With the lock held: queue the request, unless it is predicted to miss its

@@ -2,9 +2,12 @@
 
 It runs in the `redbatch-replier` thread. It never reads the request stream and never runs
 the model: it takes answers from the queue, and its one Redis call per round is the
-replier's ownership-checked reply-and-ack script. On a Redis Cluster, answers for a shard
-whose master fails (a failover) are held back and sent again after a backoff (a timer puts
-an empty round on the queue), so the other shards' replies do not wait for that master.
+replier's ownership-checked reply-and-ack script. Answers decided at read time (refusals,
+invalid entries) are written by the intake itself (ReadTimeAnswers), with the same script,
+so that they do not wait behind the results queued for this thread. On a Redis Cluster,
+answers for a shard whose master fails (a failover) are held back and sent again after a
+backoff (a timer puts an empty round on the queue), so the other shards' replies do not
+wait for that master.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import RedisRetry, ShutdownExpired
 from worker.policy.flow import end_to_end_s
 from worker.policy.latency import LatencyPolicy
-from worker.streams.replier import Reply
+from worker.streams.replier import Replier, Reply
 from worker.streams.shard_replies import ShardedReplier
 from worker.streams.sharding import AnyReplier, AnyTokenStreams
 from worker.streams.token_streams import Chunk, FinalChunk
@@ -77,10 +80,7 @@ class ReplyWriter:
         written_ms = time.time() * 1000
         # dropped ones were answered by the consumer that claimed them
         answered = [a for a in answers if a.entry_id not in dropped]
-        for status, count in Counter(a.status for a in answered).items():
-            metrics.REQUESTS.labels(self.model_name, status).inc(count)  # labels() takes a lock
-        latencies_s = end_to_end_s(written_ms, [a.enqueued_ms for a in answered])
-        metrics.observe_all(metrics.END_TO_END.labels(self.model_name), latencies_s)
+        latencies_s = count_written(self.model_name, answered, written_ms)
         if self.latency is not None:
             self._observe_latency(written_ms, answered, latencies_s)
         # dropped ones are freed too: they are no longer ours
@@ -113,6 +113,49 @@ class ReplyWriter:
             margin = self.latency.margin.ms
         metrics.LATENCY_OBSERVED.labels(self.model_name).set(observed / 1000)
         metrics.LATENCY_MARGIN.labels(self.model_name).set(margin / 1000)
+
+
+class ReadTimeAnswers:
+    """Answers decided when their entries are read (refusals, deadlines already passed,
+    invalid entries), written by the intake thread itself in one ownership-checked
+    reply-and-ack call per read: queued for the reply thread, they waited behind the
+    results being written. On a Redis Cluster (the sharded replier defers a failing
+    shard's answers, state only the reply thread keeps) and for a generative model's
+    reply streams they still go through the reply thread."""
+
+    def __init__(self, model_name: str, replier: AnyReplier, inflight: InFlight,
+                 answers: AnswerQueue, retry: RedisRetry) -> None:
+        self.model_name = model_name
+        self.replier = replier
+        self.inflight = inflight
+        self.answers = answers
+        self.retry = retry
+
+    def write(self, answers: list[Answer]) -> None:
+        direct = isinstance(self.replier, Replier)
+        now = [a for a in answers if direct and not a.stream_index]
+        later = [a for a in answers if not direct or a.stream_index]
+        if later:
+            self.answers.put(later)
+        if not now:
+            return
+        assert isinstance(self.replier, Replier)
+        dropped = set(self.retry(self.replier.send, [encode(a) for a in now]))
+        if dropped:
+            metrics.DROPPED_REPLIES.labels(self.model_name).inc(len(dropped))
+        count_written(self.model_name, [a for a in now if a.entry_id not in dropped],
+                      time.time() * 1000)
+        self.inflight.release(a.entry_id for a in now)
+
+
+def count_written(model_name: str, answered: list[Answer], written_ms: float) -> list[float]:
+    """Count the answers written by status and record their end-to-end latencies (in s,
+    returned)."""
+    for status, count in Counter(a.status for a in answered).items():
+        metrics.REQUESTS.labels(model_name, status).inc(count)  # labels() takes a lock
+    latencies_s = end_to_end_s(written_ms, [a.enqueued_ms for a in answered])
+    metrics.observe_all(metrics.END_TO_END.labels(model_name), latencies_s)
+    return latencies_s
 
 
 def encode(answer: Answer) -> Reply:

@@ -28,6 +28,7 @@ MARGIN_MAX = 0.6  # of the target: beyond this the target itself is out of reach
 MARGIN_UPDATE_MS = 250.0
 LATENCY_WINDOW = 1000  # answers in the observed percentile's window
 RATE_HALF_LIFE_MS = 1000.0
+STALE_SENT_MS = 10_000.0  # a batch sent and never started (its members all expired) is dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,16 @@ class Decision:
     reason: str  # full, token_cap, deadline, wait_paid_off, timer, waiting
     slack_ms: float  # deadline less margin less predicted completion, for the batch sent
     wait_ms: float | None = None  # not ready: decide again after this long
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A batch sent and not yet started: its predicted end, until started() is told."""
+
+    bucket: int
+    size: int
+    longest: int
+    done_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +120,9 @@ class LatencyPolicy:
         self.margin = SafetyMargin(target_ms, percentile)
         self.rates = [ArrivalRate() for _ in range(buckets)]
         self.busy_until_ms = [0.0] * instances
+        # A synchronous device (the CPU) runs the batch inside the launch, so started() is
+        # told only once it is done: until then the batch is known from its dispatch.
+        self.sent: list[Sent] = []
 
     def deadline_ms(self, member: Member) -> float:
         own = member.enqueued_ms + self.target_ms
@@ -117,11 +131,13 @@ class LatencyPolicy:
     # --- dispatch -----------------------------------------------------------------------------
 
     def decide(self, bucket: int, candidates: Sequence[Member], capped: str | None,
-               now_ms: float, start_in_ms: float = 0.0) -> Decision:
+               now_ms: float, start_in_ms: float = 0.0, queued: int = 0) -> Decision:
         """Whether to send the bucket's batch now, and how many of `candidates` (the largest
         batch its caps allow, oldest first). `capped`: "full" or "token_cap" when the caps,
-        not the queue, ended the candidates; `start_in_ms`: until this instance is free."""
-        size, slack = self.best_size(bucket, candidates, now_ms + start_in_ms)
+        not the queue, ended the candidates; `start_in_ms`: until this instance is free;
+        `queued`: all the bucket holds (the candidates and the queue behind them)."""
+        smallest = self.sustained_size(bucket, candidates, now_ms, queued)
+        size, slack = self.best_size(bucket, candidates, now_ms + start_in_ms, smallest)
         if size < len(candidates):
             return Decision(True, size, "deadline", slack)
         if slack < 0:
@@ -129,15 +145,13 @@ class LatencyPolicy:
         if capped:
             return Decision(True, size, capped, slack)
         longest = max(m.length for m in candidates)
-        return self._wait_or_send(bucket, size, longest, slack, now_ms)
+        waited = now_ms - min(m.enqueued_ms for m in candidates)
+        return self._wait_or_send(bucket, size, longest, slack, now_ms, waited)
 
-    def best_size(self, bucket: int, candidates: Sequence[Member],
-                  start_ms: float) -> tuple[int, float]:
-        """The batch size that gets the most members answered within their deadlines (the
-        largest such), and the least slack among its members.
-
-        Sending fewer saves the oldest only when that does not cost the others: under load
-        a smaller batch lowers throughput, and the queue behind it pays."""
+    def best_size(self, bucket: int, candidates: Sequence[Member], start_ms: float,
+                  smallest: int = 1) -> tuple[int, float]:
+        """The batch size, of at least `smallest`, that gets the most members answered
+        within their deadlines (the largest such), and the least slack among its members."""
         best = (-1, 0, float("-inf"))
         longest = 0
         prefix: list[float] = []  # the deadlines of the first n, sorted
@@ -146,20 +160,41 @@ class LatencyPolicy:
             insort(prefix, self.deadline_ms(member) - self.margin.ms)
             done = start_ms + self.model.predict_ms(bucket, n, longest)
             in_time = n - bisect_left(prefix, done)
-            if in_time >= best[0]:
+            if in_time >= best[0] and n >= smallest:
                 best = (in_time, n, prefix[0] - done)
         return best[1], best[2]
 
+    def sustained_size(self, bucket: int, candidates: Sequence[Member], now_ms: float,
+                       queued: int = 0) -> int:
+        """The smallest batch whose throughput on all instances keeps up with the bucket's
+        arrivals (at most all the candidates). Sending fewer saves the oldest members only
+        by lowering throughput under load: the queue behind them grows, and pays for it.
+        With a queue behind the candidates (`queued`, all the bucket holds, is more), the
+        rate is the larger of the decaying count and that queue's own since its oldest
+        arrived: right after a step up the count still lags by its half-life. (Without one,
+        a few close arrivals would look like a flood.)"""
+        rate = self.rates[bucket].per_ms(now_ms)
+        if queued > len(candidates) and candidates:
+            rate = max(rate, queued / max(1.0, now_ms - candidates[0].enqueued_ms))
+        longest = 0
+        for n, member in enumerate(candidates, start=1):
+            longest = max(longest, member.length)
+            if len(self.busy_until_ms) * n >= rate * self.model.predict_ms(bucket, n, longest):
+                return n
+        return len(candidates)
+
     def _wait_or_send(self, bucket: int, size: int, longest: int, slack: float,
-                      now_ms: float) -> Decision:
+                      now_ms: float, waited_ms: float = 0.0) -> Decision:
         """Wait for the next arrival only if it comes sooner than the batch's fixed cost
-        per member (then one more member raises throughput) and in time."""
+        per member (then one more member raises throughput) and in time, and not once the
+        oldest has waited a whole fixed cost: a wait saves at most one batch's fixed cost,
+        and arrivals that stopped (a producer's pause) leave the rate estimate behind."""
         rate = self.rates[bucket].per_ms(now_ms)
         fit = self.model.fit(bucket)
         gap = 1.0 / rate if rate > 0 else float("inf")
         one_more = self.model.predict_ms(bucket, size + 1, longest) - \
             self.model.predict_ms(bucket, size, longest)
-        if gap * size < fit.fixed and gap + one_more < slack:
+        if gap * size < fit.fixed and gap + one_more < slack and waited_ms < fit.fixed:
             return Decision(False, size, "waiting", slack, wait_ms=min(slack, 2 * gap))
         return Decision(True, size, "wait_paid_off", slack)
 
@@ -170,7 +205,7 @@ class LatencyPolicy:
         """Answer at once a request that cannot make its deadline (or the target, less the
         margin, when shedding). `queued_ms`: predicted compute of everything queued ahead;
         `batch_size`: of the batch it is expected to join."""
-        free_in = max(0.0, min(self.busy_until_ms) - now_ms)
+        free_in = self.free_in_ms(now_ms)
         ahead = queued_ms / len(self.busy_until_ms)
         delay = free_in + ahead + self.model.predict_ms(bucket, batch_size, member.length)
         completion = now_ms + delay
@@ -189,13 +224,33 @@ class LatencyPolicy:
         per_batch = self.model.predict_ms(bucket, min(size, batch_cap), longest)
         return batches * per_batch
 
+    def free_in_ms(self, now_ms: float) -> float:
+        """Until the first instance is free: of the instances' ends and those of the batches
+        sent but not started, the latest `instances` (each instance runs one at a time)."""
+        ends = sorted([*self.busy_until_ms, *(s.done_ms for s in self.sent)])
+        return max(0.0, ends[-len(self.busy_until_ms)] - now_ms)
+
     # --- feedback -----------------------------------------------------------------------------
+
+    def dispatched(self, bucket: int, size: int, longest: int, start_ms: float) -> None:
+        """A batch was sent to start at `start_ms` (now, or when the asking instance is
+        free); admission counts it as busy until it ends, even before started()."""
+        self.sent = [s for s in self.sent if s.done_ms > start_ms - STALE_SENT_MS]
+        done = start_ms + self.model.predict_ms(bucket, size, longest)
+        self.sent.append(Sent(bucket, size, longest, done))
 
     def arrived(self, bucket: int, now_ms: float, count: int = 1) -> None:
         self.rates[bucket].add(now_ms, count)
 
     def started(self, instance: int, bucket: int, size: int, longest: int,
                 now_ms: float) -> None:
+        """Busy until the end predicted at dispatch (on the CPU `now_ms` is already the end
+        of the run), else until the predicted run from now."""
+        for index, sent in enumerate(self.sent):
+            if (sent.bucket, sent.size, sent.longest) == (bucket, size, longest):
+                del self.sent[index]
+                self.busy_until_ms[instance] = sent.done_ms
+                return
         self.busy_until_ms[instance] = now_ms + self.model.predict_ms(bucket, size, longest)
 
     def finished(self, instance: int, bucket: int, size: int, longest: int, compute_ms: float,

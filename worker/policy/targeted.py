@@ -48,7 +48,7 @@ class TargetedDispatch:
         bucket = batcher.buckets[index]
         chosen, capped = candidates(bucket, batcher.limits_of(index))
         decision = self.policy.decide(index, [member(p) for p in chosen], capped, now_ms,
-                                      start_in_ms)
+                                      start_in_ms, len(bucket.items))
         if flush and not decision.ready:
             return replace(decision, ready=True, reason="flush")
         return decision
@@ -68,7 +68,11 @@ class TargetedDispatch:
         _, index, decision = min(ready, key=lambda r: (r[0], r[1]))
         limits = batcher.limits_of(index)
         taken = batcher.buckets[index].take(replace(limits, max_batch_size=decision.size))
-        return batcher.emit(index, taken, now_ms, decision.reason, decision.slack_ms)
+        batch = batcher.emit(index, taken, now_ms, decision.reason, decision.slack_ms)
+        if batch.members:
+            self.policy.dispatched(index, len(batch.members), batch.longest,
+                                   now_ms + start_in_ms)
+        return batch
 
     def seconds_until_ready(self, batcher: Batcher, now_ms: int) -> float | None:
         waits = [self.decide(batcher, index, now_ms, False, 0.0)
