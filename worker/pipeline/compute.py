@@ -66,8 +66,8 @@ class ComputeLoop:
             if running is not None:
                 self.answers.put(self.complete(running))
             if upcoming is not None:
+                self._started(upcoming.batch)  # before: on the CPU launch runs the batch
                 runner.launch(upcoming)
-                self._started(upcoming.batch)
             running = upcoming
 
     def next_batch(self, block: bool = True) -> Batch | None:
