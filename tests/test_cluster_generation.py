@@ -96,15 +96,13 @@ def test_generation_streams_on_a_cluster(rig: ClusterRig, tiny_path: Path) -> No
 def test_a_worker_killed_mid_generation_on_a_cluster_is_continued(
         rig: ClusterRig, tiny_path: Path, tmp_path: Path) -> None:
     """Worker A (a process) is killed with SIGKILL once every stream has chunks; worker B
-    claims the entries, reads each stream on its node, and continues at the next chunk."""
+    claims the entries, reads each stream on its node, and continues at the next chunk:
+    each stream then holds what A wrote, followed by B's chunks, none twice. (That the
+    text equals an uninterrupted run is test_generation_durability's: across two
+    processes with other thread counts a near-tie may go the other way.)"""
     url = rig.url()
     client = Client(url, "causal_lm", cluster=True)
     payloads = [{"prompt": p, "max_new_tokens": 100} for p in PROMPTS]
-    with cluster_worker(url, "causal_lm", model_options=options(tiny_path)):
-        ids = client.submit_many(payloads)
-        reference = [client.token_stream_key(i) for i in ids]
-        wait_until(lambda: all(is_done(client.redis, k) for k in reference), 60, "reference")
-    expected = [complete_text(client.redis, k) for k in reference]
     victim = worker_process(url, tmp_path / "a.log", model="causal_lm", consumer="victim",
                             model_options=json.dumps(options(tiny_path)), warmup="false",
                             claim_idle_ms=600, block_ms=100)
@@ -115,6 +113,7 @@ def test_a_worker_killed_mid_generation_on_a_cluster_is_continued(
                    "worker A never streamed")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
+        before = {k: entries_of(client.redis, k) for k in keys}
         assert not all(is_done(client.redis, k) for k in keys)
         with cluster_worker(url, "causal_lm", model_options=options(tiny_path),
                             consumer="rescuer", claim_idle_ms=600):
@@ -123,7 +122,10 @@ def test_a_worker_killed_mid_generation_on_a_cluster_is_continued(
         if victim.poll() is None:
             victim.kill()
             victim.wait()
-    assert [complete_text(client.redis, k) for k in keys] == expected
+    for key in keys:
+        complete_text(client.redis, key)  # contiguous ids, each chunk once, done last
+        after = entries_of(client.redis, key)
+        assert after[:len(before[key])] == before[key]  # A's chunks kept, none rewritten
     resumed = [entries_of(client.redis, k)[-1][1]["meta"].get("resumed_at") for k in keys]
     assert any(resumed)
     assert pending_everywhere(client, 6) == 0
