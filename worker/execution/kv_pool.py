@@ -42,6 +42,8 @@ class KVPool:
         shape = (self.blocks * BLOCK_TOKENS, kv_heads, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        for tensor in (*self.keys, *self.values):  # padding reads it: garbage could be NaN,
+            tensor[:BLOCK_TOKENS].zero_()  # which a mask cannot hide (NaN + -inf is NaN)
         self.device = device
         self._free = list(range(1, self.blocks))  # a heap: lowest first
 
