@@ -178,7 +178,10 @@ def test_sigterm_answers_what_is_held_and_exits_0_within_the_grace(
 def test_second_signal_exits_at_once_and_loses_nothing(redis_url: str, r: redis.Redis,
                                                        spawn) -> None:
     heaviest_on_redis_7_only(r)
-    slow = ("--model-options", '{"delay_ms": 300}', "--shutdown-grace-s", "30")
+    # A batch takes 5 s, so the graceful drain the first signal starts cannot end before
+    # the second one arrives (with 300 ms, a batch near its end could, on a loaded machine).
+    slow = ("--model-options", '{"delay_ms": 5000}', "--shutdown-grace-s", "30",
+            "--warmup", "false")
     a = spawn(redis_url, "a", *slow)
     a.wait_serving()
     ids, replies = submit(redis_url, 200)
