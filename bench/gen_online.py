@@ -86,11 +86,13 @@ def ttft_unloaded(url: str, stream: str, requests: Sequence[GenRequest]) -> list
 
 def ttft_loaded(url: str, stream: str, requests: Sequence[GenRequest], rate: float,
                 seed: int = 0) -> list[float]:
-    """TTFT (ms) under open-loop Poisson arrivals at `rate` requests/s, one per request."""
-    offsets = poisson_offsets(rate, len(requests) / rate, seed)[:len(requests)]
+    """TTFT (ms) under open-loop Poisson arrivals at `rate` requests/s, in request order."""
+    offsets = poisson_offsets(rate, 2 * len(requests) / rate + 10, seed)[:len(requests)]
     payloads = [msgpack.packb(r.payload) for r in requests]
     timed = open_loop_at(url, stream, payloads, offsets, timeout_s=600.0)
-    return [float(_result(item.envelope)["meta"]["ttft_ms"]) for item in timed]
+    by_index = {int(item.envelope["id"][1:]): float(_result(item.envelope)["meta"]["ttft_ms"])
+                for item in timed}  # ids are p<index>
+    return [by_index[index] for index in range(len(requests))]
 
 
 class RssPeak:

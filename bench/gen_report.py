@@ -51,15 +51,30 @@ def _throughput_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _throughput_lines(results: dict[str, Any]) -> list[str]:
+    if "throughput" not in results:  # --ttft-only
+        saturated = results["saturation"]
+        return [f"Throughput not measured (--ttft-only); saturation {saturated['tokens_per_s']:.1f}"
+                f" tokens/s = {saturated['requests_per_s']:.2f} req/s.", ""]
+    return ["## Generated tokens/s (median over repeats)", "", *_throughput_table(results),
+            "", f"Greedy agreement (largest concurrency, first repeat): "
+            f"{results['throughput']['greedy_agreement']}.", ""]
+
+
 def _ttft_lines(ttft: dict[str, Any]) -> list[str]:
-    lines = ["| load | rate (req/s) | p50 ms | p95 ms | p95 / unloaded p50 |",
-             "|---|---:|---:|---:|---:|",
-             f"| unloaded (alone) | - | {ttft['unloaded']['p50']:.0f} | "
-             f"{ttft['unloaded']['p95']:.0f} | - |"]
+    """Each loaded request beside the same prompt sent alone (bench/gen_ttft.py)."""
+    alone = ttft["unloaded"]
+    lines = ["| load | rate (req/s) | p50 ms | p95 ms | p95 / unloaded p50 | "
+             "p95 / unloaded p95 | slowdown p50 | slowdown p95 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|",
+             f"| unloaded (each alone) | - | {alone['p50']:.0f} | {alone['p95']:.0f} | - | - "
+             f"| - | - |"]
     for load in ("50%", "80%"):
         row = ttft[load]
         lines.append(f"| {load} of saturation | {row['rate_rps']:.2f} | {row['p50']:.0f} | "
-                     f"{row['p95']:.0f} | {row['p95_over_unloaded_p50']:.2f}x |")
+                     f"{row['p95']:.0f} | {row['p95_over_unloaded_p50']:.2f}x | "
+                     f"{row['p95_over_unloaded_p95']:.2f}x | {row['slowdown_p50']:.2f}x | "
+                     f"{row['slowdown_p95']:.2f}x |")
     return lines
 
 
@@ -69,9 +84,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"`{results['command']}`, started {results['started']}, "
              f"{results['threads']} torch threads everywhere.", "",
              f"Workload: {results['workload']}.", "",
-             "## Generated tokens/s (median over repeats)", "", *_throughput_table(results),
-             "", f"Greedy agreement (largest concurrency, first repeat): "
-             f"{results['throughput']['greedy_agreement']}.", "",
+             *_throughput_lines(results),
              "## Time to first token (XADD to the first sampled token)", "",
              *_ttft_lines(results["ttft_ms"]), "", "## Memory", "",
              f"Peak RSS while serving {memory['peak_serving_mib']:.0f} MiB (VmHWM with the "

@@ -22,7 +22,6 @@ import shlex
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +29,12 @@ import torch
 
 from bench.cluster import Workers
 from bench.gen_offline import agreement, run_engine, run_generate_batch
-from bench.gen_online import RssPeak, closed_loop, ttft_loaded, ttft_unloaded
+from bench.gen_online import RssPeak, closed_loop
 from bench.gen_report import markdown, memory_check
+from bench.gen_ttft import time_to_first_token
 from bench.gen_workload import GenRequest, build_workload, describe
 from bench.machine import describe_machine
-from bench.stats import median, percentile
+from bench.stats import median
 from worker.models import create_model
 from worker.streams.server import RedisServer
 
@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help=(
         "torch threads, everywhere (1: on a shared machine 2 threads can run 10x slower)"))
     parser.add_argument("--kv-cache-mib", type=int, default=512)
-    parser.add_argument("--ttft-requests", type=int, default=8, help="sent alone, unloaded")
+    parser.add_argument("--ttft-only", action="store_true", help=(
+        "skip the systems' throughput: saturation from one closed-loop redbatch run at the "
+        "largest concurrency, then TTFT and memory"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser
@@ -93,22 +95,20 @@ def throughput(model: Any, requests: Sequence[GenRequest], pool: Workers,
             "mean_generated_tokens": generated / len(requests)}
 
 
-def time_to_first_token(requests: Sequence[GenRequest], pool: Workers,
-                        saturated_rps: float, args: argparse.Namespace) -> dict[str, Any]:
-    """Unloaded (alone, max_new_tokens 1), then at 50 % and 80 % of saturation."""
-    alone = [replace(r, payload={**r.payload, "max_new_tokens": 1})
-             for r in requests[:args.ttft_requests]]
-    unloaded = ttft_unloaded(pool.redis_url, pool.stream, alone)
-    result: dict[str, Any] = {"unloaded": {"p50": median(unloaded), "p95":
-                                           percentile(unloaded, 95), "values": unloaded}}
-    for load in (0.5, 0.8):
-        values = ttft_loaded(pool.redis_url, pool.stream, requests, load * saturated_rps,
-                             args.seed)
-        result[f"{load:.0%}"] = {"rate_rps": load * saturated_rps, "p50": median(values),
-                                 "p95": percentile(values, 95),
-                                 "p95_over_unloaded_p50": percentile(values, 95)
-                                 / median(unloaded)}
-    return result
+def saturation(model: Any, requests: Sequence[GenRequest], pool: Workers,
+               args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    """The saturated request rate: redbatch's tokens/s at the largest concurrency over the
+    mean tokens generated (from the throughput runs, or one run of its own)."""
+    cap = max(args.concurrency)
+    if args.ttft_only:
+        run = closed_loop(pool.redis_url, pool.stream, requests, cap)
+        tokens_per_s, mean_tokens = run.tokens_per_s, run.tokens / len(requests)
+    else:
+        results["throughput"] = throughput(model, requests, pool, args)
+        tokens_per_s = results["throughput"]["tokens_per_s"][cap]["redbatch"]["median"]
+        mean_tokens = results["throughput"]["mean_generated_tokens"]
+    return {"tokens_per_s": tokens_per_s, "requests_per_s": tokens_per_s / mean_tokens,
+            "mean_generated_tokens": mean_tokens}
 
 
 def measure(args: argparse.Namespace, model: Any, requests: list[GenRequest],
@@ -120,14 +120,10 @@ def measure(args: argparse.Namespace, model: Any, requests: list[GenRequest],
         pool.wait_until_reading(timeout_s=600)
         closed_loop(pool.redis_url, pool.stream, requests[:2], 2)  # warm up
         with RssPeak(pool.processes[0].pid) as rss:
-            results["throughput"] = throughput(model, requests, pool, args)
-            top = results["throughput"]["tokens_per_s"][max(args.concurrency)]["redbatch"]
-            mean_tokens = results["throughput"]["mean_generated_tokens"]
-            saturated_rps = top["median"] / mean_tokens
-            results["saturation"] = {"tokens_per_s": top["median"],
-                                     "requests_per_s": saturated_rps,
-                                     "mean_generated_tokens": mean_tokens}
-            results["ttft_ms"] = time_to_first_token(requests, pool, saturated_rps, args)
+            results["saturation"] = saturation(model, requests, pool, args, results)
+            results["ttft_ms"] = time_to_first_token(
+                pool.redis_url, pool.stream, requests,
+                results["saturation"]["requests_per_s"], args.seed)
         results["memory"] = memory_check(model, args.kv_cache_mib << 20, rss)
     return results
 

@@ -48,7 +48,7 @@ def test_generative_smoke_run_writes_the_report(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--generative", "--model", "causal_lm",
          "--model-options", options, "--prompts", "6", "--concurrency", "2", "3",
-         "--repeats", "1", "--ttft-requests", "2", "--out", str(tmp_path)],
+         "--repeats", "1", "--out", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     [report] = tmp_path.glob("*-generative-causal_lm.json")
@@ -58,6 +58,22 @@ def test_generative_smoke_run_writes_the_report(tmp_path: Path) -> None:
         assert all(system["median"] > 0 for system in by_system.values())
     assert results["throughput"]["greedy_agreement"] == {
         "engine_vs_static": 1.0, "engine_vs_generate_batch": 1.0}
-    assert results["ttft_ms"]["unloaded"]["p50"] > 0 and "80%" in results["ttft_ms"]
+    ttft = results["ttft_ms"]
+    assert ttft["unloaded"]["p50"] > 0 and len(ttft["unloaded"]["values"]) == 6
+    assert len(ttft["80%"]["values"]) == 6 and ttft["80%"]["slowdown_p95"] > 0
     assert results["memory"]["peak_serving_mib"] > results["memory"]["weights_mib"]
     assert "## Time to first token" in report.with_suffix(".md").read_text()
+
+
+def test_ttft_compares_each_request_with_itself_alone() -> None:
+    """A long prompt slow alone is not counted as slowed down by the load."""
+    from bench.gen_ttft import compare
+
+    alone = [100.0] * 18 + [800.0, 800.0]
+    loaded = [150.0] * 18 + [800.0, 800.0]
+    row = compare(loaded, alone)
+    assert row["slowdown_p50"] == pytest.approx(1.5)
+    assert row["slowdown_p95"] == pytest.approx(1.5)
+    assert row["p95_over_unloaded_p50"] > 4  # the old ratio: the long prompt counted as load
+    with pytest.raises(ValueError):
+        compare(loaded[:-1], alone)

@@ -194,16 +194,17 @@ def test_prefill_first_gives_an_arrival_a_step_of_its_own_but_never_two_in_a_row
     assert [w.id for w in sched.schedule().decode] == ["a", "b", "c"]
 
 
-def test_prefill_first_loses_no_token_and_decoding_runs_every_other_step() -> None:
-    """Arrivals at every step: each sequence still gets exactly its tokens, and no two
-    consecutive steps leave the running sequences out."""
+@pytest.mark.parametrize("streak", [1, 3])
+def test_prefill_first_loses_no_token_and_decoding_runs_after_each_streak(streak: int) -> None:
+    """Arrivals at every step: each sequence still gets exactly its tokens, and no more than
+    `prefill_streak` consecutive steps leave the running sequences out."""
     rng = random.Random(3)
     sched = DecodingScheduler(SchedulerLimits(max_step_tokens=64, max_seqs=6,
-                                              prefill_first=True))
+                                              prefill_first=True, prefill_streak=streak))
     wanted = {f"s{i}": rng.randint(1, 12) for i in range(40)}
     arrivals = list(wanted)
     generated: dict[str, int] = dict.fromkeys(wanted, 0)
-    idle_decodes = 0
+    idle_decodes = longest = 0
     for _ in range(2000):
         if arrivals:
             name = arrivals.pop(0)
@@ -213,8 +214,32 @@ def test_prefill_first_loses_no_token_and_decoding_runs_every_other_step() -> No
         running_before = len(sched.running)
         plan = sched.schedule()
         idle_decodes = idle_decodes + 1 if running_before and not plan.decode else 0
-        assert idle_decodes <= 1
+        longest = max(longest, idle_decodes)
         for work in plan.work:
             generated[work.id] += work.emits
         sched.update()
     assert generated == wanted
+    assert longest == streak  # arrivals at every step use the whole streak, never more
+
+
+def test_prefill_streak_lets_an_arrival_during_a_prefill_have_its_own_step_too() -> None:
+    """With prefill_streak 2, c (arriving during b's prefill-only step) is prefilled alone
+    as well; a third arrival then waits for the decode step."""
+    sched = DecodingScheduler(SchedulerLimits(max_step_tokens=100, prefill_first=True,
+                                              prefill_streak=2))
+    sched.add(SeqState("a", prompt_len=5, max_new_tokens=20))
+    sched.schedule()
+    sched.update()
+    for name in ("b", "c"):
+        sched.add(SeqState(name, prompt_len=6, max_new_tokens=20))
+        plan = sched.schedule()
+        assert [w.id for w in plan.prefill] == [name] and not plan.decode
+        sched.update()
+    sched.add(SeqState("d", prompt_len=4, max_new_tokens=20))
+    plan = sched.schedule()  # the streak is spent: everyone decodes, d joins the step
+    assert [w.id for w in plan.decode] == ["a", "b", "c"] and [w.id for w in plan.prefill] == ["d"]
+
+
+def test_prefill_streak_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_streak"):
+        SchedulerLimits(prefill_streak=0)

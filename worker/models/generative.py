@@ -6,7 +6,8 @@ model_options: `path` (a from_pretrained directory), `gguf_file` (a GGUF file in
 scheduler's knobs (policy/decoding.py): `max_step_tokens` (512), `max_seqs` (16),
 `kv_cache_bytes` (256 MiB of KV cache), `max_wait_steps` (32), `prefill_first` (true: a
 step that can admit new requests prefills only them, so their first token does not wait for
-every running sequence's decode). Nothing is downloaded.
+every running sequence's decode) and `prefill_streak` (1: the most such steps in a row).
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class CausalLM(Model):
     def __init__(self, path: str, gguf_file: str | None = None, max_new_tokens: int = 128,
                  max_new_tokens_limit: int = 1024, max_step_tokens: int = 512,
                  max_seqs: int = 16, kv_cache_bytes: int = 256 << 20,
-                 max_wait_steps: int = 32, prefill_first: bool = True) -> None:
+                 max_wait_steps: int = 32, prefill_first: bool = True,
+                 prefill_streak: int = 1) -> None:
         if not 1 <= max_new_tokens <= max_new_tokens_limit:
             raise ValueError("need 1 <= max_new_tokens <= max_new_tokens_limit")
         self.path, self.gguf_file = path, gguf_file
@@ -52,7 +54,7 @@ class CausalLM(Model):
         self.limits = SchedulerLimits(  # checked now, at start-up; bytes_per_token at load
             max_step_tokens=max_step_tokens, max_seqs=max_seqs,
             kv_budget_bytes=kv_cache_bytes, max_wait_steps=max_wait_steps,
-            prefill_first=prefill_first)
+            prefill_first=prefill_first, prefill_streak=prefill_streak)
 
     def load(self, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -14,7 +14,8 @@ steps is aged: it goes before every unaged one whatever their priority, and whil
 in line cannot be admitted, nothing behind it is (so memory frees up for it as running
 sequences finish). A waiting sequence is therefore admitted within `max_wait_steps` plus the
 steps the sequences running then need to finish (at most their `max_new_tokens` plus one;
-twice that with `prefill_first`, which may give every other step to admissions alone).
+with `prefill_first`, (1 + `prefill_streak`) times that, as up to `prefill_streak` steps in
+a row may go to admissions alone).
 
 Token accounting: a sequence's tokens are its prompt and what it generated. `computed` of
 them are in its cache. A step feeds it tokens [computed, computed + n); when that reaches its
@@ -92,10 +93,11 @@ class SchedulerLimits:
     kv_budget_bytes: int = 1 << 30
     max_wait_steps: int = 32
     prefill_first: bool = False  # admissions get a step of their own (see schedule())
+    prefill_streak: int = 1  # the most such steps in a row before running ones decode
 
     def __post_init__(self) -> None:
         for name in ("max_step_tokens", "max_seqs", "bytes_per_token", "kv_budget_bytes",
-                     "max_wait_steps"):
+                     "max_wait_steps", "prefill_streak"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -111,7 +113,7 @@ class DecodingScheduler:
         self.running: list[SeqState] = []  # in order of admission
         self._arrivals = 0
         self._plan: StepPlan | None = None
-        self._stalled = False  # the last step was prefill-only
+        self._streak = 0  # prefill-only steps in a row, up to the last one
 
     # --- queue --------------------------------------------------------------------------------
 
@@ -154,19 +156,21 @@ class DecodingScheduler:
 
         With `prefill_first`, a step that can admit waiting requests admits only them: a
         new request's first token then waits for its own prefill, not for every running
-        sequence's decode as well (time to first token), and decoding loses one step. Never
-        two such steps in a row, so decoding runs at least every other step."""
+        sequence's decode as well (time to first token), and decoding loses one step. At most
+        `prefill_streak` such steps in a row: an arrival during another's prefill then gets
+        its own too, and decoding still runs at least once every `prefill_streak` + 1 steps."""
         plan = StepPlan()
         budget = self.limits.max_step_tokens
         free = self.limits.kv_tokens - self.used_tokens
         prefill_only = False
-        if self.limits.prefill_first and not self._stalled and self.running:
+        stalled = self._streak >= self.limits.prefill_streak
+        if self.limits.prefill_first and not stalled and self.running:
             self._admit_waiting(plan, budget, free)
             prefill_only = bool(plan)
         if not plan:
             budget, free = self._schedule_running(plan, budget, free)
             self._admit_waiting(plan, budget, free)
-        self._stalled = prefill_only
+        self._streak = self._streak + 1 if prefill_only else 0
         for seq in self.waiting:
             seq.waited += 1
         self._plan = plan
