@@ -5,10 +5,14 @@
 - `static`: the same engine, run to completion: `cap` requests are admitted together and
   the next `cap` only once all of them have finished. A finished row leaves the decoding
   batch at once (no padding is computed for it), so this is a generous static baseline.
+- `hf_static`: textbook static batching, transformers' `generate()` on `cap` left-padded
+  prompts at a time: every row is computed until the batch's longest is done (its
+  max_new_tokens is the batch's largest; each row is then cut at its own and at EOS).
 - `generate_batch`: transformers' own continuous batching, the ContinuousBatchingManager
   that `generate_batch` runs, fed the same token ids with each request's own
   max_new_tokens (`generate_batch` takes one for all) and `max_requests_per_batch` = cap.
-Greedy everywhere, so all three should generate the same tokens; `agreement` checks it.
+Greedy everywhere, so all of them should generate the same tokens; `agreement` checks it
+(padding may flip a near-tie in `hf_static`).
 """
 
 from __future__ import annotations
@@ -89,6 +93,41 @@ def run_generate_batch(model: Any, requests: Sequence[GenRequest], cap: int) -> 
             if result.is_finished():
                 outputs[int(result.request_id)] = list(result.generated_tokens)
         seconds = time.perf_counter() - started
+    return Run(seconds, sum(map(len, outputs.values())), outputs)
+
+
+def _own_tokens(row: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """A padded batch row cut to what the request itself would get: its max_new_tokens,
+    and up to its first EOS (kept, as the engine keeps it)."""
+    row = row[:max_new_tokens]
+    for index, token in enumerate(row):
+        if token in eos_ids:
+            return row[:index + 1]
+    return row
+
+
+def run_hf_static(model: Any, requests: Sequence[GenRequest], cap: int) -> Run:
+    """transformers' generate() on `cap` requests at a time, left-padded, to completion."""
+    import torch
+
+    pad = sorted(model.eos_ids)[0]
+    outputs: dict[int, list[int]] = {}
+    started = time.perf_counter()
+    for first in range(0, len(requests), cap):
+        group = requests[first:first + cap]
+        width = max(len(r.prompt_ids) for r in group)
+        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in group])
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids)
+                             for r in group])
+        with torch.inference_mode():
+            out = model.lm.generate(input_ids=ids.to(model.device),
+                                    attention_mask=mask.to(model.device), do_sample=False,
+                                    max_new_tokens=max(r.max_new_tokens for r in group),
+                                    eos_token_id=sorted(model.eos_ids), pad_token_id=pad)
+        for offset, request in enumerate(group):
+            outputs[first + offset] = _own_tokens(out[offset, width:].tolist(),
+                                                  request.max_new_tokens, model.eos_ids)
+    seconds = time.perf_counter() - started
     return Run(seconds, sum(map(len, outputs.values())), outputs)
 
 

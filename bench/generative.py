@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from bench.cluster import Workers
-from bench.gen_offline import agreement, run_engine, run_generate_batch
+from bench.gen_offline import agreement, run_engine, run_generate_batch, run_hf_static
 from bench.gen_online import RssPeak, closed_loop
 from bench.gen_report import markdown, memory_check
 from bench.gen_ttft import time_to_first_token
@@ -39,7 +39,7 @@ from worker.models import create_model
 from worker.streams.server import RedisServer
 
 RESULTS = Path(__file__).parent / "results"
-SYSTEMS = ("redbatch", "engine", "static", "generate_batch")
+SYSTEMS = ("redbatch", "engine", "static", "hf_static", "generate_batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,12 +79,14 @@ def throughput(model: Any, requests: Sequence[GenRequest], pool: Workers,
             runs = {"redbatch": closed_loop(pool.redis_url, pool.stream, requests, cap),
                     "engine": run_engine(model, requests, cap),
                     "static": run_engine(model, requests, cap, static=True),
+                    "hf_static": run_hf_static(model, requests, cap),
                     "generate_batch": run_generate_batch(model, requests, cap)}
             generated = runs["redbatch"].tokens
             for system, run in runs.items():
                 rates[cap][system].append(run.tokens_per_s)
             if repeat == 0 and cap == max(args.concurrency):
                 agreeing = {"engine_vs_static": agreement(runs["engine"], runs["static"]),
+                            "engine_vs_hf_static": agreement(runs["engine"], runs["hf_static"]),
                             "engine_vs_generate_batch": agreement(runs["engine"],
                                                                   runs["generate_batch"])}
             print(f"repeat {repeat} c={cap}: " + ", ".join(

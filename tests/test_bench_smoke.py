@@ -54,10 +54,10 @@ def test_generative_smoke_run_writes_the_report(tmp_path: Path) -> None:
     [report] = tmp_path.glob("*-generative-causal_lm.json")
     results = json.loads(report.read_text())
     for by_system in results["throughput"]["tokens_per_s"].values():
-        assert set(by_system) == {"redbatch", "engine", "static", "generate_batch"}
+        assert set(by_system) == {"redbatch", "engine", "static", "hf_static", "generate_batch"}
         assert all(system["median"] > 0 for system in by_system.values())
     assert results["throughput"]["greedy_agreement"] == {
-        "engine_vs_static": 1.0, "engine_vs_generate_batch": 1.0}
+        "engine_vs_static": 1.0, "engine_vs_hf_static": 1.0, "engine_vs_generate_batch": 1.0}
     ttft = results["ttft_ms"]
     assert ttft["unloaded"]["p50"] > 0 and len(ttft["unloaded"]["values"]) == 6
     assert len(ttft["80%"]["values"]) == 6 and ttft["80%"]["slowdown_p95"] > 0
