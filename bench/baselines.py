@@ -9,6 +9,9 @@ redbatch's latency target, static settings, and the known adaptive schemes.
 5. BentoML's CorkDispatcher rule: latency = a·n + b fitted over recent batches; wait while
    n·(age of the newest + a) ≤ 0.95 × the mean wait; refuse when age of the oldest + a·n + b
    ≥ the target.
+
+2-4 are worker/policy/controllers.py, which the worker also runs (`batch_controller`), so
+the simulator and the real-process benchmark (bench/latency_bench.py) test one code.
 """
 
 from __future__ import annotations
@@ -19,8 +22,14 @@ from dataclasses import replace
 
 from bench.simulate import EPOCH_MS
 from worker.policy.batching import Batch, Batcher, BatchLimits, Pending
+from worker.policy.controllers import (
+    AimdController,
+    BatchController,
+    DynamicTimeout,
+    StepController,
+    with_controlled,
+)
 from worker.policy.latency import LatencyPolicy
-from worker.policy.service_time import WindowQuantile
 from worker.policy.targeted import TargetedDispatch
 
 MAX_TOKENS = 1 << 30  # the simulated device has no token cap
@@ -94,65 +103,51 @@ class TargetDispatcher(StaticDispatcher):
         self.policy.answered(unix_ms(now_ms), latencies_ms)
 
 
-class AimdDispatcher(StaticDispatcher):
-    """Clipper: additive increase of the batch cap while batches are fast, ×0.9 when not."""
+class ControlledDispatcher(StaticDispatcher):
+    """A baseline that moves the batch cap or the wait after each batch: the controllers of
+    worker/policy/controllers.py, the same objects the worker runs by `batch_controller`."""
+
+    def __init__(self, boundaries: Sequence[int], controller: BatchController,
+                 label: str) -> None:
+        super().__init__(boundaries, 0.0, 1)
+        self.controller, self.label = controller, label
+        self.batcher.limits = with_controlled(self.batcher.limits, controller.limits)
+
+    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
+                 latencies_ms: list[float]) -> None:
+        controlled = self.controller.observe(service_ms, latencies_ms)
+        self.batcher.limits = with_controlled(self.batcher.limits, controlled)
+
+
+class AimdDispatcher(ControlledDispatcher):
+    """Clipper: additive increase of the batch cap while batches are fast, x0.9 when not."""
 
     name = "aimd"
 
     def __init__(self, boundaries: Sequence[int], target_ms: float, max_batch_size: int,
                  step: int = 2) -> None:
-        super().__init__(boundaries, 0.0, 1)
-        self.target_ms, self.step, self.ceiling = target_ms, step, max_batch_size
-        self.cap = 1.0
-        self.batch_p99 = WindowQuantile(0.99, 50)
-        self.label = "AIMD batch size (Clipper)"
-
-    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
-                 latencies_ms: list[float]) -> None:
-        self.batch_p99.add(service_ms)
-        over = self.batch_p99.value(0.0) > self.target_ms
-        self.cap = max(1.0, self.cap * 0.9) if over else min(self.ceiling, self.cap + self.step)
-        self.set_limits(max_batch_size=int(self.cap))
+        super().__init__(boundaries, AimdController(target_ms, max_batch_size, 0.0, step),
+                         "AIMD batch size (Clipper)")
 
 
-class StepDispatcher(StaticDispatcher):
+class StepDispatcher(ControlledDispatcher):
     """Batch cap ±2 on the windowed p99 of end-to-end latency against 1.2 T and 0.7 T."""
 
     name = "step"
 
     def __init__(self, boundaries: Sequence[int], target_ms: float, max_batch_size: int) -> None:
-        super().__init__(boundaries, 0.0, max_batch_size // 2)
-        self.target_ms, self.ceiling = target_ms, max_batch_size
-        self.p99 = WindowQuantile(0.99, 500)
-        self.label = "step controller (±2)"
-
-    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
-                 latencies_ms: list[float]) -> None:
-        for latency in latencies_ms:
-            self.p99.add(latency)
-        observed, cap = self.p99.value(0.0), self.batcher.limits.max_batch_size
-        if observed > 1.2 * self.target_ms:
-            cap = max(1, cap - 2)
-        elif observed < 0.7 * self.target_ms:
-            cap = min(self.ceiling, cap + 2)
-        self.set_limits(max_batch_size=cap)
+        super().__init__(boundaries, StepController(target_ms, max_batch_size, 0.0),
+                         "step controller (±2)")
 
 
-class DynamicTimeoutDispatcher(StaticDispatcher):
+class DynamicTimeoutDispatcher(ControlledDispatcher):
     """wait = max(10 ms, 2 × the average end-to-end latency)."""
 
     name = "dynamic_timeout"
 
     def __init__(self, boundaries: Sequence[int], max_batch_size: int) -> None:
-        super().__init__(boundaries, 10.0, max_batch_size)
-        self.recent: deque[float] = deque(maxlen=500)
-        self.label = "dynamic timeout max(10 ms, 2 x mean)"
-
-    def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
-                 latencies_ms: list[float]) -> None:
-        self.recent.extend(latencies_ms)
-        mean = sum(self.recent) / len(self.recent) if self.recent else 0.0
-        self.set_limits(max_wait_s=max(10.0, 2 * mean) / 1000)
+        super().__init__(boundaries, DynamicTimeout(max_batch_size),
+                         "dynamic timeout max(10 ms, 2 x mean)")
 
 
 class CorkDispatcher(StaticDispatcher):

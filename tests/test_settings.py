@@ -97,6 +97,30 @@ def test_invalid_settings_name_the_setting(overrides: dict[str, object], message
     assert message in str(caught.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"batch_controller": "aimd", "controller_target_ms": 50, "latency_target_ms": 100},
+     "batch_controller 'aimd' is a baseline that replaces latency_target_ms"),
+    ({"batch_controller": "step"}, "batch_controller 'step' needs controller_target_ms"),
+    ({"controller_target_ms": 50}, "controller_target_ms is for batch_controller aimd or step"),
+    ({"batch_controller": "dynamic_timeout", "controller_target_ms": 50},
+     "not 'dynamic_timeout'"),
+    ({"batch_controller": "pid"}, "invalid setting 'batch_controller'"),
+    ({"batch_controller": "aimd", "controller_target_ms": 0},
+     "invalid setting 'controller_target_ms'"),
+])
+def test_a_baseline_controller_refuses_bad_combinations(overrides: dict[str, object],
+                                                        message: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_settings(**overrides)
+    assert message in str(caught.value) and len(str(caught.value).splitlines()) == 1
+
+
+def test_a_baseline_controller_from_flags() -> None:
+    settings = load_settings(**flags("--batch-controller", "step", "--controller-target-ms", "80"))
+    assert settings.batch_controller == "step" and settings.controller_target_ms == 80.0
+    assert settings.latency_target_ms is None and load_settings().batch_controller == "static"
+
+
 def test_a_malformed_json_flag_is_a_settings_error() -> None:
     with pytest.raises(SettingsError, match="--bucket-boundaries takes JSON"):
         flags("--bucket-boundaries", "[16,")

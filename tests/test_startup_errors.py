@@ -36,6 +36,10 @@ CASES = {
                                         "invalid setting 'latency_target_ms'"),
     "latency percentile outside (0, 1)": Case(["--latency-percentile", "1.5"],
                                               "invalid setting 'latency_percentile'"),
+    "baseline controller with a latency target": Case(
+        ["--batch-controller", "aimd", "--controller-target-ms", "50",
+         "--latency-target-ms", "100"],
+        "batch_controller 'aimd' is a baseline that replaces latency_target_ms"),
     "malformed JSON flag": Case(["--bucket-boundaries", "[16,"], "--bucket-boundaries takes JSON"),
     "missing config file": Case(["--config", "{tmp}/absent.toml"], "config file not found"),
     "broken config file": Case(["--config", "{tmp}/broken.toml"], "could not read settings"),

@@ -33,6 +33,7 @@ from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
 from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
+from worker.policy.controllers import controlled, controller_from_settings
 from worker.policy.decoding import DecodingScheduler
 from worker.policy.governor import (
     Governor,
@@ -146,6 +147,10 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     limits = BatchLimits(settings.max_batch_size, settings.max_batch_tokens,
                          settings.max_wait_ms / 1000)
     governor = build_governor(settings, limits, boundaries, calibrated or {})
+    controller = controller_from_settings(settings)  # a baseline (issue 13), usually none
+    if controller is not None and model.generative:
+        raise StartupError("batch_controller applies to batch models, not generative ones")
+    batch_limits, caps = controlled(limits, governor.limits, controller)
     targeted = TargetedDispatch(LatencyPolicy(
         settings.latency_target_ms or float("inf"), settings.latency_percentile,
         len(boundaries) + 1, layout.instances, settings.shed_over_target))
@@ -155,9 +160,9 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     parts = Parts(
         **redis_parts(settings, client, describe_worker(settings, layout, executor.device,
                                                           targeted, lock)),
-        batcher=Batcher(boundaries, limits, caps=governor.limits,
+        batcher=Batcher(boundaries, batch_limits, caps=caps,
                         targeted=targeted if settings.latency_target_ms else None),
-        governor=governor,
+        governor=governor, controller=controller,
         runners=[BatchRunner(e, governor, memory, settings.model_name, governing=lock)
                  for e in executors],
         layout=layout, targeted=targeted,

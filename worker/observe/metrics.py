@@ -48,6 +48,9 @@ BATCH_CAP = Gauge("redbatch_batch_cap", "The governor's current cap per bucket",
                   ["model", "bucket", "kind"])  # kind: requests | tokens
 MEMORY_BYTES = Gauge("redbatch_memory_bytes", "Memory as the governor last read it",
                      ["model", "kind"])  # kind: used | limit | reserved | allocated
+CONTROLLED_LIMIT = Gauge("redbatch_controller_limit",
+                         "A baseline batch_controller's current limit (issue 13)",
+                         ["model", "limit"])  # limit: max_batch_size | max_wait_seconds
 MERGE_TOKENS = Gauge("redbatch_merge_tokens",
                      "Padded tokens a merge of buckets into one batch may add", ["model"])
 OOM_EVENTS = Counter("redbatch_oom_events", "Batches that ran out of memory", ["model", "bucket"])

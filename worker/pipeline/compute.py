@@ -9,6 +9,7 @@ computes, unless another instance is idle and can start it at once.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -25,6 +26,7 @@ from worker.pipeline.answers import (
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import Grace
 from worker.policy.batching import Batch, Batcher
+from worker.policy.controllers import BatchController, Controlled, with_controlled
 from worker.policy.flow import queue_waits_ms, yields_to_idle
 from worker.policy.latency import LatencyPolicy
 
@@ -41,8 +43,11 @@ class ComputeConfig:
 class ComputeLoop:
     def __init__(self, config: ComputeConfig, runner: BatchRunner, batcher: Batcher,
                  inflight: InFlight, answers: AnswerQueue, grace: Grace,
-                 latency: LatencyPolicy, instance: int = 0) -> None:
-        """`latency`: told when each batch starts and ends (busy-until, service times)."""
+                 latency: LatencyPolicy, instance: int = 0,
+                 controller: BatchController | None = None) -> None:
+        """`latency`: told when each batch starts and ends (busy-until, service times).
+        `controller`: a baseline (`batch_controller`) that moves the batcher's limits after
+        each batch; it is shared by the instances, under the worker's lock."""
         self.config = config
         self.runner = runner
         self.batcher = batcher
@@ -51,6 +56,7 @@ class ComputeLoop:
         self.grace = grace
         self.latency = latency
         self.instance = instance
+        self.controller = controller
 
     def run(self) -> None:
         """Double buffering: batch N+1 is staged (collated, copied) while batch N computes."""
@@ -110,13 +116,12 @@ class ComputeLoop:
         enqueued_ms = [p.enqueued_ms for p in batch.members]  # read once, at add()
         queue_ms = queue_waits_ms(running.started_ms, enqueued_ms)
         record_batch(self.config.model_name, batch, running.compute_s, queue_ms)
-        self._finished(batch, running.compute_s)
+        self._finished(batch, running.compute_s, enqueued_ms)
         meta = {"model": self.config.model_name, "batch_size": len(batch.members),
                 "compute_ms": round(running.compute_s * 1000, 3),
                 "worker": self.config.consumer, "bucket": batch.bucket,
                 "padded_length": batch.longest}
         return answers + result_answers(batch, results, meta, enqueued_ms, queue_ms)
-
 
     def _started(self, batch: Batch) -> None:
         if batch.members:
@@ -124,16 +129,26 @@ class ComputeLoop:
                 self.latency.started(self.instance, batch.bucket, len(batch.members),
                                      batch.longest, time.time() * 1000)
 
-    def _finished(self, batch: Batch, compute_s: float) -> None:
-        """The measured time refits the service-time model; its costs are exported."""
+    def _finished(self, batch: Batch, compute_s: float, enqueued_ms: Sequence[int]) -> None:
+        """The measured time refits the service-time model; its costs are exported. A
+        baseline controller sees the members' latencies from their XADD time until now."""
+        controlled: Controlled | None = None
         with self.inflight.lock:
+            now_ms = time.time() * 1000
             self.latency.finished(self.instance, batch.bucket, len(batch.members),
-                                  batch.longest, compute_s * 1000, time.time() * 1000)
+                                  batch.longest, compute_s * 1000, now_ms)
             fit = self.latency.model.fit(batch.bucket)
             fixed, per_token = fit.fixed, fit.per_token
+            if self.controller is not None:
+                controlled = self.controller.observe(compute_s * 1000,
+                                                     [now_ms - at for at in enqueued_ms])
+                self.batcher.limits = with_controlled(self.batcher.limits, controlled)
         name = self.config.model_name
         metrics.SERVICE_COST.labels(name, "fixed").set(fixed / 1000)
         metrics.SERVICE_COST.labels(name, "per_token").set(per_token / 1000)
+        if controlled is not None:
+            metrics.CONTROLLED_LIMIT.labels(name, "max_batch_size").set(controlled.max_batch_size)
+            metrics.CONTROLLED_LIMIT.labels(name, "max_wait_seconds").set(controlled.max_wait_s)
 
 
 def record_batch(model_name: str, batch: Batch, compute_s: float,

@@ -32,6 +32,7 @@ from worker.pipeline.intake import Intake, IntakeConfig
 from worker.pipeline.reply import ReplyWriter
 from worker.pipeline.retry import Grace, RedisRetry, ShutdownExpired
 from worker.policy.batching import Batcher
+from worker.policy.controllers import BatchController
 from worker.policy.decoding import DecodingScheduler
 from worker.policy.flow import FlowPolicy
 from worker.policy.governor import Governor
@@ -74,6 +75,7 @@ class Parts:
     layout: Layout  # the instances and threads the runners were built for
     targeted: TargetedDispatch  # latency predictions; the batcher dispatches by it if targeted
     generation: GenerationParts | None = None  # a generative model: the generate loop's parts
+    controller: BatchController | None = None  # a baseline's limits controller (issue 13)
 
 
 class Worker:
@@ -103,7 +105,8 @@ class Worker:
         latency = parts.targeted.policy
         self.computes: list[ComputeLoop | GenerateLoop] = [
             ComputeLoop(config, runner, parts.batcher, self.inflight, answers, self.grace,
-                        latency, instance) for instance, runner in enumerate(parts.runners)]
+                        latency, instance, parts.controller)
+            for instance, runner in enumerate(parts.runners)]
         if parts.generation is not None:  # continuous batching replaces the compute loops
             self.computes = [self._generate_loop(parts.generation, parts.batcher)]
         self.reply = ReplyWriter(self.name, parts.replier, self.inflight, answers, self.retry,
@@ -134,7 +137,8 @@ class Worker:
         log.info("worker.serving", stream=self.reader.stream, group=self.settings.group,
                  consumer=self.settings.consumer, buckets=self.batcher.boundaries,
                  instances=len(self.runners), threads=self.layout.threads,
-                 layout=self.layout.reason, latency_target_ms=self.settings.latency_target_ms)
+                 layout=self.layout.reason, latency_target_ms=self.settings.latency_target_ms,
+                 batch_controller=self.settings.batch_controller)
         try:
             self._compute_thread(self.computes[0])  # the first instance computes here
         finally:
