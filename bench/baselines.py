@@ -10,8 +10,9 @@ redbatch's latency target, static settings, and the known adaptive schemes.
    n·(age of the newest + a) ≤ 0.95 × the mean wait; refuse when age of the oldest + a·n + b
    ≥ the target.
 
-2-4 are worker/policy/controllers.py, which the worker also runs (`batch_controller`), so
-the simulator and the real-process benchmark (bench/latency_bench.py) test one code.
+2-4 are worker/policy/controllers.py and 5 is worker/policy/cork.py, which the worker also
+runs (`batch_controller`), so the simulator and the real-process benchmark
+(bench/latency_bench.py) test one code.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from worker.policy.controllers import (
     StepController,
     with_controlled,
 )
+from worker.policy.cork import HISTORY, TICK_MS, CorkRule
 from worker.policy.latency import LatencyPolicy
 from worker.policy.targeted import TargetedDispatch
 
@@ -151,55 +153,39 @@ class DynamicTimeoutDispatcher(ControlledDispatcher):
 
 
 class CorkDispatcher(StaticDispatcher):
-    """BentoML's CorkDispatcher on one FIFO queue (it has no length buckets)."""
+    """BentoML's CorkDispatcher on one FIFO queue (it has no length buckets): the worker's
+    own rule (worker/policy/cork.py, `batch_controller = "cork"`), on the simulated clock.
+    Its refusals are counted with the expired (the simulator's `deadline_exceeded`)."""
 
     name = "bentoml_cork"
 
-    def __init__(self, target_ms: float, max_batch_size: int, history: int = 50) -> None:
+    def __init__(self, target_ms: float, max_batch_size: int, history: int = HISTORY) -> None:
         super().__init__([], 0.0, max_batch_size)
-        self.target_ms, self.max_batch_size = target_ms, max_batch_size
-        self.queue: deque[tuple[float, Pending]] = deque()
-        self.batches: deque[tuple[int, float]] = deque(maxlen=history)
-        self.per_item, self.fixed, self.mean_wait = 0.0, 0.0, 0.0
+        self.rule = CorkRule(target_ms, max_batch_size, history)
+        self.arrivals: deque[float] = deque()  # the queue's arrival times, the oldest first
+        self.queue: deque[Pending] = deque()
         self.label = "BentoML CorkDispatcher"
 
     def add(self, pending: Pending, now_ms: float) -> str | None:
-        self.queue.append((now_ms, pending))
+        self.arrivals.append(now_ms)
+        self.queue.append(pending)
         return None
 
     def next_batch(self, now_ms: float, instance: int, busy: bool) -> Batch | None:
-        refused: list[Pending] = []
-        while len(self.queue) > 1 and (now_ms - self.queue[0][0] + self.per_item * len(self.queue)
-                                       + self.fixed) >= self.target_ms:
-            refused.append(self.queue.popleft()[1])  # late: refused, the oldest first
-        if not self.queue:
-            return Batch(0, [], refused) if refused else None
-        n = min(len(self.queue), self.max_batch_size)
-        newest_age = now_ms - self.queue[-1][0]
-        if n < self.max_batch_size and n * (newest_age + self.per_item) <= 0.95 * self.mean_wait:
-            return Batch(0, [], refused) if refused else None  # waiting pays, by its rule
-        oldest_age = now_ms - self.queue[0][0]
-        self.mean_wait = 0.9 * self.mean_wait + 0.1 * oldest_age
-        members = [self.queue.popleft()[1] for _ in range(n)]
-        return Batch(0, members, refused)
+        decision = self.rule.decide(now_ms, self.arrivals)
+        refused = [self._pop() for _ in range(decision.refuse)]
+        members = [self._pop() for _ in range(decision.take)]
+        if not members and not refused:
+            return None
+        return Batch(0, members, expired=refused)
+
+    def _pop(self) -> Pending:
+        self.arrivals.popleft()
+        return self.queue.popleft()
 
     def wake_in_ms(self, now_ms: float) -> float | None:
-        return 1.0 if self.queue else None  # BentoML polls on a short tick
+        return TICK_MS if self.queue else None  # BentoML polls on a short tick
 
     def finished(self, instance: int, batch: Batch, service_ms: float, now_ms: float,
                  latencies_ms: list[float]) -> None:
-        self.batches.append((len(batch.members), service_ms))
-        if len(self.batches) >= 2:
-            self.per_item, self.fixed = least_squares(self.batches)
-
-
-def least_squares(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """Slope and intercept of latency = a·n + b."""
-    count = len(points)
-    mean_n = sum(n for n, _ in points) / count
-    mean_t = sum(t for _, t in points) / count
-    spread = sum((n - mean_n) ** 2 for n, _ in points)
-    if spread == 0:
-        return 0.0, mean_t
-    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
-    return max(0.0, slope), max(0.0, mean_t - slope * mean_n)
+        self.rule.finished(len(batch.members), service_ms)

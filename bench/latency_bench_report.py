@@ -1,5 +1,6 @@
 """The real-process figures of `python -m bench.latency_bench --out X.json` as markdown
-tables against the goals: `python -m bench.latency_bench_report X.json`."""
+tables against the goals: `python -m bench.latency_bench_report X.json`. Each rule of the
+new goals (G2, G4, G5) reads met or missed beside its figure."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.latency_bench_goals import G2_BASELINE
+from bench.latency_goals import WINDOW_S
 from bench.latency_report import over_windows
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "missed"
 
 
 def g1_rows(goal: dict[str, Any], target_ms: float) -> list[str]:
@@ -25,7 +32,7 @@ def g1_rows(goal: dict[str, Any], target_ms: float) -> list[str]:
     for name, row in goal.items():
         ratio = min((g / b if b else 1.0) for g, b in zip(row["goodput_per_phase"], best,
                                                           strict=True))
-        rule = "met" if over_windows(row["windows_p99_ms"], target_ms, changes) else "missed"
+        rule = verdict(over_windows(row["windows_p99_ms"], target_ms, changes))
         lines.append(f"| {name} | {' / '.join(f'{w:g}' for w in row['windows_p99_ms'])} | "
                      f"{rule} | {ratio:.3f} | {row['admitted_within_t']:.4f} | "
                      f"{row.get('unanswered', 0)} |")
@@ -34,6 +41,20 @@ def g1_rows(goal: dict[str, Any], target_ms: float) -> list[str]:
                   for i in range(3)]
         lines += ["", "Best static in hindsight, per phase: " + "; ".join(
             f"{n} ({statics[n]['goodput_per_phase'][i]:g}/s)" for i, n in enumerate(chosen))]
+    return lines
+
+
+def g2_rows(goal: dict[str, Any]) -> list[str]:
+    """G2: p50 against that of `static wait 0 batch 32` in this run; bar 1.1 x."""
+    base = goal.get(G2_BASELINE, {}).get("p50_ms")
+    lines = ["| configuration | p50 (ms) | p50 / no-wait p50 | rule (<= 1.1) | p99 (ms) | "
+             "unanswered |", "|---|---:|---:|---|---:|---:|"]
+    for name, row in goal.items():
+        p50 = row.get("p50_ms")
+        ratio = p50 / base if base and p50 is not None else None
+        cells = ("n/a", "n/a") if ratio is None else (f"{ratio:.3f}", verdict(ratio <= 1.1))
+        lines.append(f"| {name} | {p50} | {cells[0]} | {cells[1]} | {row['p99_ms']:g} | "
+                     f"{row.get('unanswered', 0)} |")
     return lines
 
 
@@ -49,18 +70,113 @@ def g3_rows(goal: dict[str, Any], c: float, target_ms: float) -> list[str]:
     return lines
 
 
+def g4_settled(windows: list[float], change: int, target_ms: float,
+               unanswered: int = 0) -> bool:
+    """G4's rule: every window from the 3rd after the step on is back under T (and there
+    is one to check). A request never answered is over T, though no window shows it (a
+    window of unanswered requests reads 0)."""
+    after = windows[change + 3:]
+    return bool(after) and all(w <= target_ms for w in after) and unanswered == 0
+
+
+def g4_rows(goal: dict[str, Any], drift_at_s: float, target_ms: float) -> list[str]:
+    """G4: the windows around the device's step up; back under T within 3 windows."""
+    change = int(drift_at_s // WINDOW_S)
+    lines = [f"Step at window {change} ({drift_at_s:g} s); the rule checks windows "
+             f"{change + 3} on.", "",
+             "| configuration | 10 s windows p99 (ms) | windows over T after the step | "
+             "worst window from the 3rd on (ms) | rule | median batch compute per phase "
+             "(ms) | unanswered |", "|---|---|---:|---:|---|---|---:|"]
+    for name, row in goal.items():
+        windows, unanswered = row["windows_p99_ms"], row.get("unanswered", 0)
+        over = sum(1 for w in windows[change:] if w > target_ms)
+        worst = max(windows[change + 3:], default=0.0)
+        lines.append(f"| {name} | {' / '.join(f'{w:g}' for w in windows)} | {over} | "
+                     f"{worst:g} | "
+                     f"{verdict(g4_settled(windows, change, target_ms, unanswered))} | "
+                     f"{' / '.join(str(v) for v in row.get('compute_ms_per_phase', []))} | "
+                     f"{unanswered} |")
+    return lines
+
+
+def g5_met(buckets: dict[str, Any], target_ms: float) -> tuple[bool, bool]:
+    """G5's two rules: every bucket's p99 <= T; none starves (each served all it was sent)."""
+    held = all(b["p99_ms"] <= target_ms for b in buckets.values())
+    fed = all(b["served"] == b["sent"] for b in buckets.values())
+    return held, fed
+
+
+def g5_rows(goal: dict[str, Any], target_ms: float) -> list[str]:
+    """G5: per length bucket, the p99 and how many were served of those sent."""
+    lines = ["| configuration | p99 per bucket (ms) | served / sent per bucket | every bucket "
+             "p99 <= T | none starves | overall p99 (ms) |", "|---|---|---|---|---|---:|"]
+    for name, row in goal.items():
+        buckets = row["buckets"]
+        held, fed = g5_met(buckets, target_ms)
+        p99s = " / ".join(f"b{b}: {v['p99_ms']:g}" for b, v in buckets.items())
+        counts = " / ".join(f"b{b}: {v['served']}/{v['sent']}" for b, v in buckets.items())
+        lines.append(f"| {name} | {p99s} | {counts} | {verdict(held)} | {verdict(fed)} | "
+                     f"{row['p99_ms']:g} |")
+    return lines
+
+
+def described(results: dict[str, Any], goal: str) -> dict[str, Any]:
+    return results.get("goal_settings", {}).get(goal, {})
+
+
+def new_goals(results: dict[str, Any], target: float) -> list[str]:
+    """G2, G4 and G5, each with the load it ran."""
+    out: list[str] = []
+    if "G2 light load" in results:
+        out += [f"G2 light load (25 % of C; against `{G2_BASELINE}`):", "",
+                *g2_rows(results["G2 light load"]), ""]
+    if "G4 drift" in results:
+        drift = described(results, "G4 drift")
+        out += [f"G4 drift (50 % of C; the echo model's cost x{drift.get('drift_factor')} "
+                f"from {drift.get('drift_at_s')} s of arrivals on):", "",
+                *g4_rows(results["G4 drift"], drift.get("drift_at_s") or 0.0, target), ""]
+    if "G5 mixed lengths" in results:
+        g5 = described(results, "G5 mixed lengths")
+        unit = "tokens" if results.get("model") == "minilm" else "B"
+        out += [f"G5 mixed lengths (two-peaked lengths, 70 % 8-16 {unit} in bucket 0, 30 % "
+                f"96-128 {unit} in bucket 1; model options {g5.get('model_options')}; phases "
+                f"[s, /s] {g5.get('phases')}):", "",
+                *g5_rows(results["G5 mixed lengths"], target), ""]
+    return out
+
+
+def goal_rows(results: dict[str, Any], goal: str, rows: dict[str, Any],
+              target: float) -> list[str]:
+    """The table of one of G2, G4, G5 for these rows (none for another goal)."""
+    if goal == "G2 light load":
+        return g2_rows(rows)
+    if goal == "G4 drift":
+        return g4_rows(rows, described(results, goal).get("drift_at_s") or 0.0, target)
+    return g5_rows(rows, target) if goal == "G5 mixed lengths" else []
+
+
+def repeats(results: dict[str, Any], target: float) -> list[str]:
+    """Configurations run once more (`reruns` in the JSON), beside, not instead of, the first."""
+    out: list[str] = []
+    for goal, rows in results.get("reruns", {}).items():
+        out += [f"{goal}, run once more:", "", *goal_rows(results, goal, rows, target), ""]
+    return out
+
+
 def render(results: dict[str, Any]) -> str:
     target, c = results["target_ms"], results["capacity_per_s"]
-    out = [f"C = {c}/s, T = {target:g} ms, {results['phase_s']:g} s phases; load average "
-           f"at start {results.get('load_average_at_start')}", ""]
+    out = [f"Model {results.get('model', 'echo')}: C = {c}/s, T = {target:g} ms, "
+           f"{results['phase_s']:g} s phases; load average "
+           f"at start {results.get('load_average_at_start')}, at end "
+           f"{results.get('load_average_at_end')}", ""]
     if "G1 step load" in results:
         out += ["G1 step load (25 % -> 90 % -> 25 % of C):", "",
                 *g1_rows(results["G1 step load"], target), ""]
     if "G3 overload" in results:
         out += ["G3 overload (150 % of C, shed_over_target for redbatch; the static "
-                "settings and the adaptive baselines cannot shed):", "",
+                "settings and baselines 2-4 cannot shed, cork refuses at dispatch):", "",
                 *g3_rows(results["G3 overload"], c, target), ""]
-    return "\n".join(out)
+    return "\n".join(out + new_goals(results, target) + repeats(results, target))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
 from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
-from worker.policy.controllers import controlled, controller_from_settings
+from worker.policy.controllers import controlled, controller_from_settings, dispatch_rule
 from worker.policy.decoding import DecodingScheduler
 from worker.policy.governor import (
     Governor,
@@ -148,7 +148,7 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
                          settings.max_wait_ms / 1000)
     governor = build_governor(settings, limits, boundaries, calibrated or {})
     controller = controller_from_settings(settings)  # a baseline (issue 13), usually none
-    if controller is not None and model.generative:
+    if settings.batch_controller != "static" and model.generative:
         raise StartupError("batch_controller applies to batch models, not generative ones")
     batch_limits, caps = controlled(limits, governor.limits, controller)
     targeted = TargetedDispatch(LatencyPolicy(
@@ -161,7 +161,7 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
         **redis_parts(settings, client, describe_worker(settings, layout, executor.device,
                                                           targeted, lock)),
         batcher=Batcher(boundaries, batch_limits, caps=caps,
-                        targeted=targeted if settings.latency_target_ms else None),
+                        targeted=dispatch_rule(settings, targeted)),
         governor=governor, controller=controller,
         runners=[BatchRunner(e, governor, memory, settings.model_name, governing=lock)
                  for e in executors],

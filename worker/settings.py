@@ -68,15 +68,19 @@ class Settings(BaseSettings):
                                       "target holds (0.99: p99)")
     shed_over_target: bool = Field(False, description="refuse at read time, with `overloaded` "
                                    "and retry_after_ms, a request predicted to miss the target")
-    batch_controller: Literal["static", "aimd", "step", "dynamic_timeout"] = Field(
+    batch_controller: Literal["static", "aimd", "step", "dynamic_timeout", "cork"] = Field(
         "static", description=(
-            "a BASELINE for comparison, not a recommended mode (policy/controllers.py): aimd "
-            "(Clipper: batch cap +2 while the batch p99 is under controller_target_ms, x0.9 "
-            "over), step (cap +-2 on the end-to-end p99 against 0.7 and 1.2 x the target) or "
-            "dynamic_timeout (wait max(10 ms, 2 x mean latency)); static: max_wait_ms and "
+            "a BASELINE for comparison, not a recommended mode (policy/controllers.py, "
+            "policy/cork.py): aimd (Clipper: batch cap +2 while the batch p99 is under "
+            "controller_target_ms, x0.9 over), step (cap +-2 on the end-to-end p99 against "
+            "0.7 and 1.2 x the target), dynamic_timeout (wait max(10 ms, 2 x mean latency)) "
+            "or cork (BentoML's CorkDispatcher: one FIFO queue, latency = a*n + b fitted over "
+            "50 batches, waits while that pays, refuses at dispatch with `overloaded` the "
+            "oldest predicted past controller_target_ms); static: max_wait_ms and "
             "max_batch_size as set. Not with latency_target_ms"))
     controller_target_ms: float | None = Field(None, gt=0, description=(
-        "the target of batch_controller aimd or step (ms); latency_target_ms is redbatch's own"))
+        "the target of batch_controller aimd, step or cork (ms); latency_target_ms is "
+        "redbatch's own"))
     bucket_boundaries: list[int] | None = Field(None, description="None: the model's default")
     merge_tokens: int | None = Field(None, ge=0, description=(
         "an unfilled batch absorbs another bucket when that adds at most this many padded "
@@ -146,9 +150,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_batching_policy(self) -> Settings:
-        """A baseline controller replaces redbatch's targeted dispatch; aimd and step need
-        a target of their own, the others none."""
-        kind, needs_target = self.batch_controller, self.batch_controller in ("aimd", "step")
+        """A baseline controller replaces redbatch's targeted dispatch; aimd, step and cork
+        need a target of their own, the others none."""
+        kind = self.batch_controller
+        needs_target = kind in ("aimd", "step", "cork")
         if kind != "static" and self.latency_target_ms is not None:
             raise ValueError(f"batch_controller {kind!r} is a baseline that replaces "
                              "latency_target_ms: set one of the two")
@@ -156,7 +161,7 @@ class Settings(BaseSettings):
             raise ValueError(f"batch_controller {kind!r} needs controller_target_ms")
         if not needs_target and self.controller_target_ms is not None:
             raise ValueError(f"controller_target_ms is for batch_controller aimd or step, "
-                             f"not {kind!r}")
+                             f"or cork, not {kind!r}")
         return self
 
     @model_validator(mode="after")

@@ -58,6 +58,13 @@ def expired_answers(expired: Sequence[Pending]) -> list[Answer]:
                          "deadline passed while queued") for p in expired]
 
 
+def overloaded_answers(refused: Sequence[Pending], retry_after_ms: int) -> list[Answer]:
+    """Requests the cork baseline refused at dispatch: predicted to miss its target."""
+    return [error_answer(p.entry_id, p.request, ErrorCode.OVERLOADED,
+                         "over the latency target at dispatch (batch_controller cork)",
+                         retry_after_ms=retry_after_ms) for p in refused]
+
+
 def failed_answers(members: Sequence[Pending], exc: Exception) -> list[Answer]:
     """The model raised for the whole batch: every member gets the error."""
     message = f"{type(exc).__name__}: {exc}"

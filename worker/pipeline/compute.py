@@ -21,6 +21,7 @@ from worker.pipeline.answers import (
     AnswerQueue,
     expired_answers,
     failed_answers,
+    overloaded_answers,
     result_answers,
 )
 from worker.pipeline.inflight import InFlight
@@ -105,7 +106,8 @@ class ComputeLoop:
     def complete(self, running: RunningBatch) -> list[Answer]:
         """The batch's results (or its error) as answers, with its metrics recorded."""
         batch = running.batch
-        answers = expired_answers(batch.expired)
+        answers = expired_answers(batch.expired) + overloaded_answers(batch.refused,
+                                                                      batch.retry_after_ms)
         if not batch.members:
             return answers
         try:
@@ -131,7 +133,8 @@ class ComputeLoop:
 
     def _finished(self, batch: Batch, compute_s: float, enqueued_ms: Sequence[int]) -> None:
         """The measured time refits the service-time model; its costs are exported. A
-        baseline controller sees the members' latencies from their XADD time until now."""
+        baseline controller sees the members' latencies from their XADD time until now; the
+        batcher's dispatch rule (cork's fit) the service time."""
         controlled: Controlled | None = None
         with self.inflight.lock:
             now_ms = time.time() * 1000
@@ -139,6 +142,8 @@ class ComputeLoop:
                                   batch.longest, compute_s * 1000, now_ms)
             fit = self.latency.model.fit(batch.bucket)
             fixed, per_token = fit.fixed, fit.per_token
+            if self.batcher.targeted is not None:
+                self.batcher.targeted.finished(batch, compute_s * 1000)
             if self.controller is not None:
                 controlled = self.controller.observe(compute_s * 1000,
                                                      [now_ms - at for at in enqueued_ms])

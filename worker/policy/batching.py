@@ -11,14 +11,13 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from worker.policy.flow import entry_time_ms
 
 if TYPE_CHECKING:  # types only: policy imports nothing that does I/O (or torch)
     from producer.protocol import Request
     from worker.models.base import Prepared
-    from worker.policy.targeted import TargetedDispatch
 
 
 @dataclass(slots=True)
@@ -40,6 +39,8 @@ class Batch:
     expired: list[Pending] = field(default_factory=list)
     reason: str = "timer"  # why it left: full, token_cap, deadline, wait_paid_off, timer
     slack_ms: float | None = None  # with a latency target: time in hand at dispatch
+    refused: list[Pending] = field(default_factory=list)  # cork: `overloaded`, not computed
+    retry_after_ms: int = 0  # what the refused are told
 
     @property
     def longest(self) -> int:
@@ -136,6 +137,12 @@ class Bucket:
         self._forget(chosen)
         return chosen
 
+    def take_oldest(self, count: int) -> list[Pending]:
+        """Remove and return the `count` oldest, whatever their priority."""
+        taken, self.items = self.items[:count], self.items[count:]
+        self._forget(taken)
+        return taken
+
     def take_all(self) -> list[Pending]:
         taken, self.items = self.items, []
         self._forget(taken)
@@ -152,6 +159,22 @@ class Bucket:
                 self._prioritised -= 1
         if self.longest not in lengths:
             self.longest = max(lengths, default=0)
+
+
+class DispatchRule(Protocol):
+    """What decides, instead of max_wait, when and what the buckets send: redbatch's latency
+    target (targeted.py) or the cork baseline (cork.py). Called under the worker's lock."""
+
+    def arrived(self, index: int, pending: Pending) -> None: ...
+
+    def next_batch(self, batcher: Batcher, now_ms: int, flush: bool,
+                   start_in_ms: float) -> Batch | None: ...
+
+    def seconds_until_ready(self, batcher: Batcher, now_ms: int) -> float | None: ...
+
+    def finished(self, batch: Batch, service_ms: float) -> None:
+        """A batch the rule sent was computed in `service_ms`."""
+        ...
 
 
 class Batcher:
@@ -171,8 +194,9 @@ class Batcher:
 
     def __init__(self, boundaries: Sequence[int], limits: BatchLimits,
                  caps: Callable[[int], BatchLimits] | None = None,
-                 merge_tokens: int = 0, targeted: TargetedDispatch | None = None) -> None:
-        """`targeted`: dispatch to hold a latency target (targeted.py) instead of max_wait."""
+                 merge_tokens: int = 0, targeted: DispatchRule | None = None) -> None:
+        """`targeted`: a rule that dispatches for a latency target instead of by max_wait
+        (targeted.py; or the cork baseline's, cork.py)."""
         self.boundaries = list(boundaries)
         self.limits = limits
         self.caps = caps
@@ -194,7 +218,7 @@ class Batcher:
         self.buckets[index].add(pending)
         self._size += 1
         if self.targeted is not None:
-            self.targeted.policy.arrived(index, pending.enqueued_ms)
+            self.targeted.arrived(index, pending)
         return index
 
     def limits_of(self, index: int) -> BatchLimits:
@@ -229,10 +253,11 @@ class Batcher:
         return self.emit(index, taken, now_ms, reason)
 
     def emit(self, index: int, taken: list[Pending], now_ms: int, reason: str = "timer",
-             slack_ms: float | None = None) -> Batch:
-        """The batch of what was taken from the buckets, its expired members set apart."""
-        self._size -= len(taken)
-        batch = Batch(index, [], reason=reason, slack_ms=slack_ms)
+             slack_ms: float | None = None, refused: Sequence[Pending] = ()) -> Batch:
+        """The batch of what was taken from the buckets, its expired members set apart
+        (`refused`, also taken, are answered `overloaded`)."""
+        self._size -= len(taken) + len(refused)
+        batch = Batch(index, [], reason=reason, slack_ms=slack_ms, refused=list(refused))
         for pending in taken:
             deadline = pending.request.deadline_ms
             alive = deadline is None or deadline > now_ms

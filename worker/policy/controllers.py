@@ -1,6 +1,8 @@
 """Baseline batch controllers: the adaptive schemes redbatch's latency target is compared
 against (issue 13), as controllers of the batching limits. Each is told of every finished
 batch and moves the batch cap or the wait; none refuses a request, none looks ahead.
+(Baseline 5, BentoML's CorkDispatcher, decides each dispatch and refuses: it is a
+dispatch rule, cork.py; `dispatch_rule` below plugs it into the Batcher.)
 
 One implementation runs in the simulator (bench/baselines.py) and in the worker
 (`batch_controller`): they are there for comparison, not as recommended modes. In the
@@ -15,7 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
-from worker.policy.batching import BatchLimits
+from worker.policy.batching import BatchLimits, DispatchRule
+from worker.policy.cork import CorkDispatch, CorkRule
 from worker.policy.service_time import WindowQuantile
 
 if TYPE_CHECKING:
@@ -142,3 +145,14 @@ def controlled(limits: BatchLimits, caps: Callable[[int], BatchLimits],
     if controller is None:
         return limits, caps
     return with_controlled(limits, controller.limits), ControlledCaps(caps, controller)
+
+
+def dispatch_rule(settings: Settings, targeted: DispatchRule) -> DispatchRule | None:
+    """The Batcher's dispatch rule: `targeted` with a latency target, BentoML's cork with
+    `batch_controller = "cork"`, else none (max_wait_ms)."""
+    if settings.latency_target_ms:
+        return targeted
+    if settings.batch_controller == "cork":
+        return CorkDispatch(CorkRule(settings.controller_target_ms or 0.0,
+                                     settings.max_batch_size))
+    return None

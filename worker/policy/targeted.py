@@ -1,8 +1,8 @@
 """The batcher's buckets seen through the latency policy: which bucket leaves next, with
 how many members, and whether a new request can still be served in time.
 
-Used by Batcher when `latency_target_ms` is set (batching.py delegates here), and by the
-simulator. Pure, like the rest of policy/: times are passed in.
+Batcher's dispatch rule (batching.DispatchRule) when `latency_target_ms` is set, and the
+simulator's. Pure, like the rest of policy/: times are passed in.
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ class TargetedDispatch:
     when a latency target is set."""
 
     policy: LatencyPolicy
+
+    def arrived(self, index: int, pending: Pending) -> None:
+        self.policy.arrived(index, pending.enqueued_ms)
+
+    def finished(self, batch: Batch, service_ms: float) -> None:
+        """Nothing more: the compute loop tells `policy` of every batch, target or not."""
 
     def checks(self, pending: Pending) -> bool:
         """Whether admission has anything to decide: a deadline, or shedding on."""
