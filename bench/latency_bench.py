@@ -27,7 +27,6 @@ import redis
 
 from bench.cluster import Workers
 from bench.latency_bench_goals import (
-    COST,
     DEVICES,
     ECHO_DEVICE,
     PAYLOADS,
@@ -35,16 +34,13 @@ from bench.latency_bench_goals import (
     Goal,
     configs,
     goals,
-    offsets,
 )
 from bench.latency_goals import two_peaks
-from bench.latency_open_loop import Sample, open_loop_ids, summarise
+from bench.latency_open_loop import open_loop_ids, summarise
 from bench.load import drain
 from bench.simulate import Phase
 from worker.streams.server import RedisServer
 
-__all__ = ["COST", "PAYLOADS", "Sample", "configs", "main", "offsets", "open_loop_ids",
-           "run_config", "summarise"]  # bench/latency_probe.py imports these from here
 WARM_BURST = 8  # the burst warm-up: PAYLOADS this many times over, sent at once
 
 
@@ -94,8 +90,8 @@ def saturation(url: str, log_dir: Path, device: Device = ECHO_DEVICE) -> float:
         pool.wait_until_reading()
         client = redis.Redis.from_url(url)
         drain(client, pool.stream, payloads * 8)
-        repeats = 100 if device is ECHO_DEVICE else 10
-        rate = max(drain(client, pool.stream, payloads * repeats).rate for _ in range(2))
+        queue = payloads * device.saturation_repeats
+        rate = max(drain(client, pool.stream, queue).rate for _ in range(2))
         client.close()
     return rate
 

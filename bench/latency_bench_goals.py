@@ -65,6 +65,7 @@ class Device:
     boundaries: Sequence[int]
     target_ms: float
     mixed: bool
+    saturation_repeats: int  # how many times the saturation run sends its 64 requests
 
     def payloads(self, lengths: Sequence[int] | None) -> list[bytes]:
         if lengths is None:
@@ -77,9 +78,6 @@ class Device:
         return [two_peaks(rng) for _ in range(len(PAYLOADS))] if self.mixed else None
 
 
-ECHO_DEVICE = Device("echo", COST, lambda n: sized_payload(n), ECHO_BOUNDARIES, 100.0, False)
-MINILM_DEVICE = Device("minilm", MINILM_COST, text_payload, PEAKS, 250.0, True)
-DEVICES = {d.name: d for d in (ECHO_DEVICE, MINILM_DEVICE)}
 
 
 def g5_scenario(target_ms: float = 100.0) -> Scenario:
@@ -121,6 +119,11 @@ def sized_payload(length: int) -> bytes:
     payload: bytes = msgpack.packb(b"x" * (length - 2))
     assert len(payload) == length, (length, len(payload))
     return payload
+
+
+ECHO_DEVICE = Device("echo", COST, sized_payload, ECHO_BOUNDARIES, 100.0, False, 100)
+MINILM_DEVICE = Device("minilm", MINILM_COST, text_payload, PEAKS, 250.0, True, 10)
+DEVICES = {d.name: d for d in (ECHO_DEVICE, MINILM_DEVICE)}
 
 
 @dataclass(frozen=True)

@@ -221,17 +221,14 @@ def timeline(events: dict[str, list[Any]]) -> None:
 
 def drive(args: argparse.Namespace) -> None:
     """One goal's arrivals through a probed worker; the figures, then where the time went."""
-    from bench.latency_bench import COST, offsets, summarise
-    from bench.simulate import Phase
+    from bench.latency_bench_goals import COST, goals, offsets
+    from bench.latency_open_loop import summarise
     from worker.streams.server import RedisServer
 
-    c = args.capacity
-    phases = {"G1": [Phase(args.phase_s, 0.25 * c), Phase(args.phase_s, 0.9 * c),
-                     Phase(args.phase_s, 0.25 * c)],
-              "G3": [Phase(args.phase_s, 1.5 * c)]}[args.goal]
-    settings = {**COST, "latency_target_ms": args.target_ms, "shed_over_target": args.goal == "G3",
+    goal = goals(args.capacity, args.phase_s, [args.goal])[0]  # the benchmark's own loads
+    settings = {**COST, "latency_target_ms": args.target_ms, "shed_over_target": goal.shed,
                 **json.loads(args.settings)}
-    sent_at = offsets(phases, args.seed)
+    sent_at = offsets(goal.phases, args.seed)
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
         out = Path(tmp) / "events.json"
         with ProbedWorkers(server.url, "probe", 1, Path(tmp), out=out, **settings) as pool:
@@ -242,7 +239,7 @@ def drive(args: argparse.Namespace) -> None:
             if out.exists():
                 break
             time.sleep(0.1)
-        print(json.dumps(summarise(samples, sent_at, phases, args.target_ms)))
+        print(json.dumps(summarise(samples, sent_at, goal.phases, args.target_ms)))
         events = json.loads(out.read_text())
         if args.keep:
             Path(args.keep).write_text(json.dumps(events))
@@ -254,7 +251,8 @@ def run_probed(pool: ProbedWorkers, url: str, redis_pid: int, sent_at: Sequence[
     """Warm the worker, send the arrivals; print the CPU each process used meanwhile."""
     import redis
 
-    from bench.latency_bench import PAYLOADS, open_loop_ids
+    from bench.latency_bench_goals import PAYLOADS
+    from bench.latency_open_loop import open_loop_ids
     from bench.load import drain
 
     pool.wait_until_reading()
