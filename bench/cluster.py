@@ -45,7 +45,8 @@ class Workers:
         self.redis_url = redis_url
         self.namespace = namespace
         self.settings = {"model": "echo", **settings}
-        self.model_name = str(self.settings["model"]).rpartition(":")[2].lower()
+        self.model_name = str(self.settings.get("model_name")
+                              or str(self.settings["model"]).rpartition(":")[2].lower())
         self.stream = protocol.stream_key(namespace, self.model_name)
         self.ports = [free_port() for _ in range(count)]
         self.log_dir = log_dir

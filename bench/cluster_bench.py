@@ -1,16 +1,15 @@
 """Echo through one worker process on a 3-master Redis Cluster (6 shards) against one Redis,
 side by side in one run: `python -m bench.cluster_bench`. On a 2-core machine this measures
-the cluster's overhead, not its scaling: the six nodes, the worker and the producer share
-the cores. Each repeat, per target: the real producer (`Client.submit_many`) queues
-`--requests` echo requests while no worker runs, then one `python -m worker` drains them.
-Throughput and the drain's CPU are taken between 10 % and 90 % of the requests answered
-(the replies counters, every shard's `answered` key), leaving out the worker's start-up and
-the tail. Redis CPU per request: `used_cpu_sys + used_cpu_user` (INFO cpu) summed over every
-node (masters and replicas), queueing's over all the requests plus the drain's over those
-answered in that window; the worker's from its process's CPU times, in the same window. The
-share per master counts each shard's requests on its master. WAIT: the cluster with
-`replicas_to_wait` 1 (worker and producer) against 0. Needs Redis 7+ and redis-cli (the
-rig of tests/cluster_rig.py, which needs pytest: `pip install -e .[test]`).
+the cluster's overhead, not its scaling: six nodes, worker and producer share the cores.
+Each repeat, per target: the real producer (`Client.submit_many`) queues `--requests` echo
+requests while no worker runs, then one `python -m worker` drains them. Throughput and the
+drain's CPU are taken between 10 % and 90 % of the requests answered (the replies counters,
+every shard's `answered` key), leaving out the worker's start-up and the tail. Redis CPU
+per request: `used_cpu_sys + used_cpu_user` (INFO cpu) summed over every node (masters and
+replicas), queueing's over all the requests plus the drain's over those answered in that
+window; the worker's from its process's CPU times, in the same window. The share per master
+counts each shard's requests on its master. WAIT: the cluster with `replicas_to_wait` 1
+(worker and producer) against 0. Needs Redis 7+, redis-cli and pytest (tests/cluster_rig.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ BentoML's CorkDispatcher, worker/policy/cork.py). `--model minilm` serves the re
 encoder instead of the echo cost model. The goals G1-G5 and their loads:
 bench/latency_bench_goals.py.
 C is measured as the issue defines it, coarsely: the highest of 60-95 % of the saturated
-rate at which a static setting (wait 0 or 5 ms, batch 32) still holds p99 <= T over 10 s.
+rate (`--shares` for a finer sweep) at which a static setting (wait 0 or 5 ms, batch 32)
+still holds p99 <= T over 10 s.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from bench.simulate import Phase
 from worker.streams.server import RedisServer
 
 WARM_BURST = 8  # the burst warm-up: PAYLOADS this many times over, sent at once
+SHARES = (0.6, 0.7, 0.8, 0.9, 0.95)  # of the saturated rate, where the sweep looks for C
 
 
 def warm_up(url: str, stream: str, payloads: Sequence[bytes], paced_rate: float | None,
@@ -75,7 +77,7 @@ def run_config(url: str, name: str, settings: dict[str, Any], goal: Goal, seed: 
     namespace = "lat-" + "".join(ch if ch.isalnum() else "-" for ch in f"{goal.name} {name}")
     sent_at, lengths = goal.arrivals(seed)
     payloads = device.payloads(lengths)
-    settings = goal.settings(settings, warm_count(paced_rate), sent_at)
+    settings = goal.settings(settings, warm_count(paced_rate), sent_at, device)
     with Workers(url, namespace, 1, log_dir, **settings) as pool:
         pool.wait_until_reading()
         warm_up(url, pool.stream, payloads, paced_rate, timeout_s)
@@ -97,13 +99,14 @@ def saturation(url: str, log_dir: Path, device: Device = ECHO_DEVICE) -> float:
 
 
 def capacity(url: str, target_ms: float, seed: int, log_dir: Path,
-             device: Device = ECHO_DEVICE) -> tuple[float, dict]:
-    """The highest rate some static setting holds (a coarse sweep over shares of saturation)."""
+             device: Device = ECHO_DEVICE,
+             shares: Sequence[float] = SHARES) -> tuple[float, dict]:
+    """The highest rate some static setting holds (a sweep over shares of saturation)."""
     saturated = saturation(url, log_dir, device)
     lengths = two_peaks if device.mixed else None
     held: dict[str, list[float]] = {}
     best = 0.0
-    for share in (0.6, 0.7, 0.8, 0.9, 0.95):
+    for share in shares:
         for wait in (0.0, 5.0):
             name = f"static wait {wait:g} batch 32"
             goal = Goal("sweep", [Phase(10.0, share * saturated)], lengths=lengths)
@@ -113,6 +116,16 @@ def capacity(url: str, target_ms: float, seed: int, log_dir: Path,
                 held.setdefault(name, []).append(share)
                 best = max(best, share * saturated)
     return best, {"saturated_per_s": round(saturated, 1), "shares_held": held}
+
+
+def shares_list(text: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(one) for one in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not all(0 < one <= 1.5 for one in shares):
+        raise argparse.ArgumentTypeError("shares of the saturated rate lie in (0, 1.5]")
+    return shares
 
 
 def parser() -> argparse.ArgumentParser:
@@ -126,6 +139,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument("--capacity", type=float, default=None,
                         help="use this C instead of sweeping for it (a check, not a result)")
+    parser.add_argument("--shares", type=shares_list, default=SHARES, help="the shares of "
+                        "the saturated rate the sweep for C tries, e.g. 0.62,0.64,0.66")
     parser.add_argument("--g5-capacity", type=float, default=None, help="C of G5's cost "
                         "model (default: C scaled by the simulator's ratio of the two)")
     parser.add_argument("--only", action="append", default=None,
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(tmp)
         if args.capacity is None:
             c, results["capacity_sweep"] = capacity(server.url, args.target_ms, args.seed,
-                                                    log_dir, device)
+                                                    log_dir, device, args.shares)
         else:
             c = args.capacity
         results["capacity_per_s"] = round(c, 1)

@@ -132,7 +132,9 @@ def new_goals(results: dict[str, Any], target: float) -> list[str]:
                 *g2_rows(results["G2 light load"]), ""]
     if "G4 drift" in results:
         drift = described(results, "G4 drift")
-        out += [f"G4 drift (50 % of C; the echo model's cost x{drift.get('drift_factor')} "
+        device = ("MiniLM's batch times" if results.get("model") == "minilm"
+                  else "the echo model's cost")
+        out += [f"G4 drift (50 % of C; {device} x{drift.get('drift_factor')} "
                 f"from {drift.get('drift_at_s')} s of arrivals on):", "",
                 *g4_rows(results["G4 drift"], drift.get("drift_at_s") or 0.0, target), ""]
     if "G5 mixed lengths" in results:

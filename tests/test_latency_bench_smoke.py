@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.cluster import Workers
+from bench.drifting import DriftingMiniLM, drift_sleep_s
 from bench.latency_bench_goals import (
     COST,
     DRIFT_FACTOR,
@@ -58,19 +60,59 @@ def test_g5_sends_two_peaked_payloads_of_their_exact_length() -> None:
     assert g5.settings(COST, 0, sent_at)["model_options"] == G5_OPTIONS
 
 
-def test_on_minilm_every_goal_sends_the_two_peaked_mix_and_g4_is_refused() -> None:
-    chosen = goals(100.0, 2.0, ["G1", "G2", "G3", "G5"], device=MINILM_DEVICE)
-    assert [g.name.split()[0] for g in chosen] == ["G1", "G2", "G3", "G5"]
+def test_on_minilm_every_goal_sends_the_two_peaked_mix() -> None:
+    chosen = goals(100.0, 2.0, ["G1", "G2", "G3", "G4", "G5"], device=MINILM_DEVICE)
+    assert [g.name.split()[0] for g in chosen] == ["G1", "G2", "G3", "G4", "G5"]
     for goal in chosen:
         sent_at, lengths = goal.arrivals(seed=1)
         assert lengths is not None and len(lengths) == len(sent_at)
         assert all(8 <= n <= 16 or 96 <= n <= 128 for n in lengths)
-        assert goal.settings(MINILM_COST, 0, sent_at) == MINILM_COST  # no echo options
+        if goal.drift_at_s is None:
+            assert goal.settings(MINILM_COST, 0, sent_at, MINILM_DEVICE) == MINILM_COST
     assert chosen[-1].phases[0].rate_per_s == 75.0  # G5 at 75 % of MiniLM's own C
-    with pytest.raises(ValueError, match="echo cost model only"):
-        goals(100.0, 2.0, ["G4"], device=MINILM_DEVICE)
     assert "minilm" in configs(250.0, False, MINILM_COST)["redbatch"]["model"]
     assert len(MINILM_DEVICE.sample_lengths() or []) == 64
+
+
+def test_minilm_drifts_as_the_plugin_that_keeps_its_stream() -> None:
+    g4 = goals(100.0, 2.0, ["G4"], device=MINILM_DEVICE)[0]
+    sent_at, _ = g4.arrivals(seed=1)
+    settings = g4.settings(MINILM_COST, 30, sent_at, MINILM_DEVICE)
+    assert settings["model"] == "bench.drifting:DriftingMiniLM"
+    assert settings["model_name"] == "minilm"  # the stream key of every other goal
+    assert settings["model_options"] == {
+        "drift_after_requests": 30 + sum(1 for at in sent_at if at < 2.0),
+        "drift_factor": DRIFT_FACTOR}
+    assert Workers("redis://x", "ns", 1, REPO, **settings).stream.endswith(":minilm")
+
+
+def test_the_drifting_minilm_sleeps_the_difference_once_drifted() -> None:
+    assert drift_sleep_s(0.02, drifted=False, factor=1.5) == 0.0
+    assert drift_sleep_s(0.02, drifted=True, factor=1.5) == pytest.approx(0.01)
+    assert drift_sleep_s(0.02, drifted=True, factor=1.0) == 0.0
+    with pytest.raises(ValueError, match="drift_factor"):
+        DriftingMiniLM(drift_factor=0.5)
+    with pytest.raises(ValueError, match="drift_after_requests"):
+        DriftingMiniLM(drift_after_requests=-1)
+
+
+def test_the_drifting_minilm_counts_reads_and_keeps_the_encoders_results() -> None:
+    import torch
+
+    from worker.models.minilm import MiniLMModel
+
+    plain, drifting = MiniLMModel(), DriftingMiniLM(drift_after_requests=2, drift_factor=1.5)
+    for model in (plain, drifting):
+        model.load(torch.device("cpu"))
+    texts = [{"text": "the capital of France"}, {"text": "is Paris"}]
+    items = [drifting.prepare(t, 0) for t in texts[:1]]
+    assert not drifting.drifted
+    items += [drifting.prepare(t, 0) for t in texts[1:]]
+    assert drifting.drifted and drifting.read == 2
+    with torch.inference_mode():
+        got = drifting.forward(drifting.collate(items))
+        want = plain.forward(plain.collate([plain.prepare(t, 0) for t in texts]))
+    assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_the_cork_baseline_is_one_of_the_configurations() -> None:
@@ -126,3 +168,29 @@ def test_minilm_requests_have_exactly_their_token_length() -> None:
     for tokens in (8, 16, 96, 128):
         payload = text_payload(tokens)
         assert model.prepare(msgpack.unpackb(payload), len(payload)).length == tokens
+
+
+@pytest.mark.slow
+def test_g4_runs_on_the_real_minilm_encoder(tmp_path: Path) -> None:
+    out = tmp_path / "g4.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.latency_bench", "--model", "minilm", "--capacity", "30",
+         "--phase-s", "2", "--goals", "G4", "--only", "redbatch", "--paced-warmup",
+         "--reply-timeout-s", "10", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(out.read_text())["G4 drift"]["redbatch"]
+    before, after = row["compute_ms_per_phase"]
+    assert after >= 1.2 * before and row["unanswered"] == 0  # the encoder drifted, x1.5
+    assert "MiniLM's batch times x1.5" in render(json.loads(out.read_text()))
+
+
+def test_the_sweep_for_c_takes_its_shares_from_the_command_line() -> None:
+    from bench.latency_bench import SHARES, parser
+
+    assert parser().parse_args([]).shares == SHARES
+    assert parser().parse_args(["--shares", "0.62,0.64"]).shares == (0.62, 0.64)
+    for bad in ("0.6,x", "0,0.5", "2"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--shares", bad])

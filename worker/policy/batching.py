@@ -249,7 +249,7 @@ class Batcher:
         limits = self.limits_of(index)
         reason = "full" if self.buckets[index].is_full(limits) else "flush" if flush else "timer"
         taken = self.buckets[index].take(limits)
-        taken += self._absorb(index, taken, limits)
+        taken += self.absorb(index, taken, limits)
         return self.emit(index, taken, now_ms, reason)
 
     def emit(self, index: int, taken: list[Pending], now_ms: int, reason: str = "timer",
@@ -264,9 +264,11 @@ class Batcher:
             (batch.members if alive else batch.expired).append(pending)
         return batch
 
-    def _absorb(self, index: int, members: list[Pending], limits: BatchLimits) -> list[Pending]:
+    def absorb(self, index: int, members: list[Pending], limits: BatchLimits,
+               accept: Callable[[int, int], bool] | None = None) -> list[Pending]:
         """Whole other buckets, the cheapest to merge first, while each adds at most
-        `merge_tokens` padded tokens and the batch stays within its caps."""
+        `merge_tokens` padded tokens, the batch stays within its caps and `accept` (given
+        the merged size and longest length) agrees."""
         size, longest = len(members), max(p.item.length for p in members)
         extra: list[Pending] = []
         while True:
@@ -277,12 +279,11 @@ class Batcher:
             if not merges:
                 return extra
             padding, j = min(merges)
-            if padding > self.merge_tokens:
+            merged = (size + len(self.buckets[j].items), max(longest, self.buckets[j].longest))
+            if padding > self.merge_tokens or (accept is not None and not accept(*merged)):
                 return extra
-            longest = max(longest, self.buckets[j].longest)
-            absorbed = self.buckets[j].take_all()
-            size += len(absorbed)
-            extra += absorbed
+            size, longest = merged
+            extra += self.buckets[j].take_all()
 
     def seconds_until_ready(self, now: float, now_ms: int = 0) -> float | None:
         """How long until some bucket's oldest request reaches max_wait (with a latency

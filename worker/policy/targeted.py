@@ -7,6 +7,7 @@ simulator's. Pure, like the rest of policy/: times are passed in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,8 @@ class TargetedDispatch:
     def next_batch(self, batcher: Batcher, now_ms: int, flush: bool,
                    start_in_ms: float) -> Batch | None:
         """Of the buckets ready to leave, the one with the least slack goes first (earliest
-        deadline first, so no bucket starves)."""
+        deadline first, so no bucket starves); it absorbs other whole buckets within its
+        slack (keeps_slack)."""
         ready = []
         for index, bucket in enumerate(batcher.buckets):
             if bucket.items:
@@ -74,11 +76,26 @@ class TargetedDispatch:
         _, index, decision = min(ready, key=lambda r: (r[0], r[1]))
         limits = batcher.limits_of(index)
         taken = batcher.buckets[index].take(replace(limits, max_batch_size=decision.size))
+        if taken:
+            taken += batcher.absorb(index, taken, limits,
+                                    self.keeps_slack(index, taken, decision.slack_ms))
         batch = batcher.emit(index, taken, now_ms, decision.reason, decision.slack_ms)
         if batch.members:
             self.policy.dispatched(index, len(batch.members), batch.longest,
                                    now_ms + start_in_ms)
         return batch
+
+    def keeps_slack(self, index: int, taken: list[Pending],
+                    slack_ms: float) -> Callable[[int, int], bool]:
+        """Whether a merged batch of (size, longest) still meets the earliest deadline of
+        `taken`: other buckets are absorbed, as the static batcher does when one forward
+        pass costs less than two, only while the predicted extra time fits the slack."""
+        alone = self.policy.model.predict_ms(index, len(taken),
+                                             max(p.item.length for p in taken))
+
+        def keeps(size: int, longest: int) -> bool:
+            return self.policy.model.predict_ms(index, size, longest) - alone <= slack_ms
+        return keeps
 
     def seconds_until_ready(self, batcher: Batcher, now_ms: int) -> float | None:
         waits = [self.decide(batcher, index, now_ms, False, 0.0)

@@ -1,0 +1,58 @@
+"""A real model that slows down on cue, for the latency benchmark's G4 (drift) on MiniLM.
+
+`DriftingMiniLM` is the MiniLM encoder (worker/models/minilm.py, unchanged) with echo's two
+drift options: once `drift_after_requests` requests have been read (prepared), every later
+batch takes `drift_factor` times as long as its forward did. The encoder really runs; the
+extra time is slept after it (a device that has become that much slower, like a throttled
+or shared one), so the factor is exact whatever the batch. A plugin model, named in the
+worker's settings as `bench.drifting:DriftingMiniLM`: nothing of it is in the worker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from worker.models.base import Prepared
+from worker.models.minilm import MiniLMModel
+
+
+def drift_sleep_s(forward_s: float, drifted: bool, factor: float) -> float:
+    """How long to sleep after a forward of `forward_s`, so that it took `factor` x as long."""
+    return max(0.0, (factor - 1.0) * forward_s) if drifted else 0.0
+
+
+class DriftingMiniLM(MiniLMModel):
+    def __init__(self, drift_after_requests: int | None = None, drift_factor: float = 1.0,
+                 **options: Any) -> None:
+        if drift_after_requests is not None and (isinstance(drift_after_requests, bool)
+                                                 or not isinstance(drift_after_requests, int)
+                                                 or drift_after_requests < 0):
+            raise ValueError("drift_after_requests must be an integer >= 0")
+        if drift_factor < 1.0:
+            raise ValueError("drift_factor must be >= 1 (a device that slows down)")
+        super().__init__(**options)
+        self.drift_after = drift_after_requests
+        self.drift_factor = drift_factor
+        self.read = 0  # requests prepared so far
+        self._lock = threading.Lock()
+
+    @property
+    def drifted(self) -> bool:
+        return self.drift_after is not None and self.read >= self.drift_after
+
+    def prepare(self, payload: Any, nbytes: int) -> Prepared:
+        prepared = super().prepare(payload, nbytes)
+        with self._lock:
+            self.read += 1
+        return prepared
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        started = time.perf_counter()
+        output = super().forward(batch)
+        time.sleep(drift_sleep_s(time.perf_counter() - started, self.drifted,
+                                 self.drift_factor))
+        return output
