@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,17 +135,23 @@ def test_the_rules_of_g4_and_g5() -> None:
                                                                                  False)
 
 
-@pytest.mark.slow
-def test_g2_g4_g5_run_on_real_processes(tmp_path: Path) -> None:
+def run_benchmark(tmp_path: Path, *args: str) -> dict[str, Any]:
+    """`python -m bench.latency_bench` with 2 s phases in a subprocess; its JSON."""
     out = tmp_path / "goals.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "bench.latency_bench", "--capacity", "200", "--phase-s", "2",
-         "--goals", "G2,G4,G5", "--only", "static wait 0 batch 32", "--paced-warmup",
-         "--reply-timeout-s", "10", "--out", str(out)],
+        [sys.executable, "-m", "bench.latency_bench", "--phase-s", "2", "--paced-warmup",
+         "--reply-timeout-s", "10", "--out", str(out), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results: dict[str, Any] = json.loads(out.read_text())
+    return results
+
+
+@pytest.mark.slow
+def test_g2_g4_g5_run_on_real_processes(tmp_path: Path) -> None:
+    results = run_benchmark(tmp_path, "--capacity", "200", "--goals", "G2,G4,G5",
+                            "--only", "static wait 0 batch 32")
     name = "static wait 0 batch 32"
     assert results["G2 light load"][name]["p50_ms"] > 0
     before, after = results["G4 drift"][name]["compute_ms_per_phase"]
@@ -172,18 +179,12 @@ def test_minilm_requests_have_exactly_their_token_length() -> None:
 
 @pytest.mark.slow
 def test_g4_runs_on_the_real_minilm_encoder(tmp_path: Path) -> None:
-    out = tmp_path / "g4.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.latency_bench", "--model", "minilm", "--capacity", "30",
-         "--phase-s", "2", "--goals", "G4", "--only", "redbatch", "--paced-warmup",
-         "--reply-timeout-s", "10", "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    row = json.loads(out.read_text())["G4 drift"]["redbatch"]
+    results = run_benchmark(tmp_path, "--model", "minilm", "--capacity", "30", "--goals", "G4",
+                            "--only", "redbatch")
+    row = results["G4 drift"]["redbatch"]
     before, after = row["compute_ms_per_phase"]
     assert after >= 1.2 * before and row["unanswered"] == 0  # the encoder drifted, x1.5
-    assert "MiniLM's batch times x1.5" in render(json.loads(out.read_text()))
+    assert "MiniLM's batch times x1.5" in render(results)
 
 
 def test_the_sweep_for_c_takes_its_shares_from_the_command_line() -> None:

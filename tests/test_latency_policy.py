@@ -108,6 +108,18 @@ def test_right_after_a_step_up_the_queue_shows_the_rate_the_count_has_not_caught
     assert policy.decide(0, due, None, NOW, queued=40).size == 32
 
 
+def test_no_cut_while_the_observed_percentile_is_over_the_target() -> None:
+    """The batch that shrinks to meet its deadlines goes whole once answers run late."""
+    policy = trained()
+    policy.answered(NOW - 1000, [99.0] * 50)
+    assert not policy.margin.over_target()
+    assert policy.decide(0, members(32, enqueued=NOW - 60), None, NOW).size < 32
+    policy.answered(NOW, [150.0] * 50)  # p99 of the window over the 100 ms target
+    assert policy.margin.over_target()
+    decision = policy.decide(0, members(32, enqueued=NOW - 60), None, NOW)
+    assert decision.ready and decision.size == 32 and decision.reason == "deadline"
+
+
 def test_a_batch_that_is_late_anyway_goes_whole() -> None:
     decision = trained().decide(0, members(10, enqueued=NOW - 500), None, NOW)
     assert decision.ready and decision.size == 10 and decision.slack_ms < 0

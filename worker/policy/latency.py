@@ -7,8 +7,9 @@ the earliest deadline among its members, less a safety margin. It waits only whi
 raises throughput (the next arrival is expected sooner than the batch's fixed cost per
 member: rate × fixed > n) and the slack stays positive. The margin follows the observed
 percentile of end-to-end latency: up fast when over the target, down slowly when well
-under. A request predicted to miss its own deadline is answered at once; with
-`shed_over_target`, so is one predicted to miss the target.
+under; while it is over, no batch is cut (throughput is what brings latency back). A
+request predicted to miss its own deadline is answered at once; with `shed_over_target`, so
+is one predicted to miss the target.
 
 Pure: times in Unix milliseconds are passed in; the worker and the simulator both drive it.
 """
@@ -98,6 +99,11 @@ class SafetyMargin:
         self.observed = WindowQuantile(percentile, LATENCY_WINDOW)
         self._updated_ms = 0.0
 
+    def over_target(self) -> bool:
+        """The observed percentile is over the target: the load or a slower device, more
+        than the prediction, is what makes requests late."""
+        return bool(self.observed.values) and self.observed.value(0.0) > self.target_ms
+
     def observe(self, now_ms: float, latencies_ms: Sequence[float]) -> None:
         for latency in latencies_ms:
             self.observed.add(latency)
@@ -135,8 +141,13 @@ class LatencyPolicy:
         """Whether to send the bucket's batch now, and how many of `candidates` (the largest
         batch its caps allow, oldest first). `capped`: "full" or "token_cap" when the caps,
         not the queue, ended the candidates; `start_in_ms`: until this instance is free;
-        `queued`: all the bucket holds (the candidates and the queue behind them)."""
+        `queued`: all the bucket holds (the candidates and the queue behind them). While
+        the observed percentile is over the target no batch is cut: the margin has then
+        grown, every deadline looks nearer, and cuts would spend forward passes the
+        device needs to catch up."""
         smallest = self.sustained_size(bucket, candidates, now_ms, queued)
+        if self.margin.over_target():
+            smallest = len(candidates)
         size, slack = self.best_size(bucket, candidates, now_ms + start_in_ms, smallest)
         if size < len(candidates):
             return Decision(True, size, "deadline", slack)
