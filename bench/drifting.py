@@ -10,13 +10,13 @@ worker's settings as `bench.drifting:DriftingMiniLM`: nothing of it is in the wo
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import torch
 
 from worker.models.base import Prepared
+from worker.models.echo import ReadCount
 from worker.models.minilm import MiniLMModel
 
 
@@ -28,26 +28,23 @@ def drift_sleep_s(forward_s: float, drifted: bool, factor: float) -> float:
 class DriftingMiniLM(MiniLMModel):
     def __init__(self, drift_after_requests: int | None = None, drift_factor: float = 1.0,
                  **options: Any) -> None:
-        if drift_after_requests is not None and (isinstance(drift_after_requests, bool)
-                                                 or not isinstance(drift_after_requests, int)
-                                                 or drift_after_requests < 0):
-            raise ValueError("drift_after_requests must be an integer >= 0")
+        self.reads = ReadCount(drift_after_requests)
         if drift_factor < 1.0:
             raise ValueError("drift_factor must be >= 1 (a device that slows down)")
         super().__init__(**options)
-        self.drift_after = drift_after_requests
         self.drift_factor = drift_factor
-        self.read = 0  # requests prepared so far
-        self._lock = threading.Lock()
 
     @property
     def drifted(self) -> bool:
-        return self.drift_after is not None and self.read >= self.drift_after
+        return self.reads.drifted
+
+    @property
+    def read(self) -> int:
+        return self.reads.read
 
     def prepare(self, payload: Any, nbytes: int) -> Prepared:
         prepared = super().prepare(payload, nbytes)
-        with self._lock:
-            self.read += 1
+        self.reads.count()
         return prepared
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

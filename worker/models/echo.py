@@ -50,17 +50,36 @@ class EchoBatch(list[Any]):
         self.longest = longest
 
 
+class ReadCount:
+    """Requests read (prepared) so far, and whether `drift_after_requests` of them were:
+    the point from which a drifting model slows down (None: never). Thread-safe."""
+
+    def __init__(self, drift_after_requests: int | None) -> None:
+        if drift_after_requests is not None and (isinstance(drift_after_requests, bool)
+                                                 or not isinstance(drift_after_requests, int)
+                                                 or drift_after_requests < 0):
+            raise ValueError("drift_after_requests must be an integer >= 0")
+        self.after = drift_after_requests
+        self.read = 0
+        self._lock = threading.Lock()
+
+    def count(self) -> None:
+        if self.after is not None:
+            with self._lock:
+                self.read += 1
+
+    @property
+    def drifted(self) -> bool:
+        return self.after is not None and self.read >= self.after
+
+
 def check_options(delay_ms: float, per_item_ms: float, per_token_ms: float, jitter_ms: float,
-                  drift_after_requests: int | None, drift_factor: float) -> None:
+                  drift_factor: float) -> None:
     """Refuse a cost model that makes no sense, naming the option."""
     for name, value in (("delay_ms", delay_ms), ("per_item_ms", per_item_ms),
                         ("per_token_ms", per_token_ms), ("jitter_ms", jitter_ms)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0")
-    if drift_after_requests is not None and (isinstance(drift_after_requests, bool)
-                                             or not isinstance(drift_after_requests, int)
-                                             or drift_after_requests < 0):
-        raise ValueError("drift_after_requests must be an integer >= 0")
     if drift_factor <= 0:
         raise ValueError("drift_factor must be > 0")
 
@@ -72,22 +91,16 @@ class EchoModel(Model):
     def __init__(self, delay_ms: float = 0.0, per_item_ms: float = 0.0, jitter_ms: float = 0.0,
                  seed: int = 0, per_token_ms: float = 0.0,
                  drift_after_requests: int | None = None, drift_factor: float = 1.0) -> None:
-        check_options(delay_ms, per_item_ms, per_token_ms, jitter_ms, drift_after_requests,
-                      drift_factor)
+        check_options(delay_ms, per_item_ms, per_token_ms, jitter_ms, drift_factor)
+        self.reads = ReadCount(drift_after_requests)
         self.cost = EchoCost(delay_ms, per_item_ms, per_token_ms, drift_factor)
         self.jitter_s = jitter_ms / 1000.0
-        self.drift_after = drift_after_requests
-        self.read = 0  # requests prepared so far, for the drift
         self._noise = random.Random(seed)
         self._lock = threading.Lock()  # instances draw from one seeded sequence
 
-    @property
-    def drifted(self) -> bool:
-        return self.drift_after is not None and self.read >= self.drift_after
-
     def cost_s(self, size: int, longest: int = 0) -> float:
         """The modelled device time of a batch of `size`, padded to `longest`."""
-        cost = self.cost.mean_ms(size, longest, self.drifted) / 1000.0
+        cost = self.cost.mean_ms(size, longest, self.reads.drifted) / 1000.0
         if self.jitter_s:
             with self._lock:
                 cost += self._noise.gauss(0.0, self.jitter_s)
@@ -97,9 +110,7 @@ class EchoModel(Model):
         self.device = device
 
     def prepare(self, payload: Any, nbytes: int) -> Prepared:
-        if self.drift_after is not None:
-            with self._lock:
-                self.read += 1
+        self.reads.count()
         return Prepared(length=nbytes, data=payload)
 
     def sample(self, length: int) -> Prepared:

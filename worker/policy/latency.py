@@ -102,7 +102,7 @@ class SafetyMargin:
     def over_target(self) -> bool:
         """The observed percentile is over the target: the load or a slower device, more
         than the prediction, is what makes requests late."""
-        return bool(self.observed.values) and self.observed.value(0.0) > self.target_ms
+        return self.observed.value(0.0) > self.target_ms
 
     def observe(self, now_ms: float, latencies_ms: Sequence[float]) -> None:
         for latency in latencies_ms:
