@@ -17,14 +17,18 @@ def pending(name: str, length: int, at_ms: int, deadline_ms: int | None = None) 
     return Pending(f"{at_ms}-0", request, Prepared(length, None), read_at=0.0)
 
 
-def targeted_batcher(merge_tokens: int = 100) -> Batcher:
+def trained_policy() -> LatencyPolicy:
     policy = LatencyPolicy(100.0, 0.99, buckets=3)
     for bucket in range(3):
         for size, longest in [(1, 4), (4, 6), (16, 12), (32, 8)] * 5:
             policy.model.observe(bucket, size, longest,
                                  FIXED_MS + PER_TOKEN_MS * size * longest)
+    return policy
+
+
+def targeted_batcher(merge_tokens: int = 100, policy: LatencyPolicy | None = None) -> Batcher:
     return Batcher([4, 8], BatchLimits(32, 10_000, 0.0), merge_tokens=merge_tokens,
-                   targeted=TargetedDispatch(policy))
+                   targeted=TargetedDispatch(policy or trained_policy()))
 
 
 def ids(batch_members: list[Pending]) -> list[str]:
@@ -59,3 +63,17 @@ def test_no_merge_beyond_merge_tokens_even_with_slack() -> None:
         batcher.add(pending(name, length, 1000))
     batch = batcher.next_batch(0.0, 1001)
     assert batch is not None and ids(batch.members) == ["a", "b"]
+
+
+def test_while_over_the_target_it_merges_as_the_static_batcher_does() -> None:
+    """Behind its target the device needs the forward pass a merge saves, slack or not."""
+    policy = trained_policy()
+    policy.answered(900, [150.0] * 50)  # the window's p99 is over the 100 ms target
+    assert policy.margin.over_target()
+    batcher = targeted_batcher(policy=policy)
+    for name in ("a", "b"):
+        batcher.add(pending(name, 4, 1000, deadline_ms=1001 + 12))
+    for name in ("c", "d"):
+        batcher.add(pending(name, 7, 1000))
+    batch = batcher.next_batch(0.0, 1001)
+    assert batch is not None and ids(batch.members) == ["a", "b", "c", "d"]

@@ -86,10 +86,15 @@ class TargetedDispatch:
         return batch
 
     def keeps_slack(self, index: int, taken: list[Pending],
-                    slack_ms: float) -> Callable[[int, int], bool]:
+                    slack_ms: float) -> Callable[[int, int], bool] | None:
         """Whether a merged batch of (size, longest) still meets the earliest deadline of
         `taken`: other buckets are absorbed, as the static batcher does when one forward
-        pass costs less than two, only while the predicted extra time fits the slack."""
+        pass costs less than two, only while the predicted extra time fits the slack.
+        While the observed percentile is over the target (None: no check beyond the
+        batcher's own) they are absorbed as the static batcher does: the device is behind,
+        and a forward pass saved is what catches it up."""
+        if self.policy.margin.over_target():
+            return None
         alone = self.policy.model.predict_ms(index, len(taken),
                                              max(p.item.length for p in taken))
 
