@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -32,6 +33,19 @@ def worker_command(redis_url: str, namespace: str, metrics_port: int,
         flag = "--" + name.replace("_", "-")
         command += [flag, json.dumps(value) if isinstance(value, list | dict) else str(value)]
     return command
+
+
+def scrape(ports: Sequence[int]) -> Samples:
+    """The /metrics of the worker processes on these ports, summed by name and labels."""
+    totals: Samples = {}
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = (sample.name, frozenset(sample.labels.items()))
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
 
 
 class Workers:
@@ -93,15 +107,7 @@ class Workers:
 
     def metrics(self) -> Samples:
         """Prometheus samples summed over the processes, keyed by name and labels."""
-        totals: Samples = {}
-        for port in self.ports:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-                text = reply.read().decode()
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    key = (sample.name, frozenset(sample.labels.items()))
-                    totals[key] = totals.get(key, 0.0) + sample.value
-        return totals
+        return scrape(self.ports)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -17,9 +17,11 @@ still holds p99 <= T over 10 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from bench.latency_bench_goals import (
     goals,
 )
 from bench.latency_goals import two_peaks
+from bench.latency_metrics import MetricSampling, per_window
 from bench.latency_open_loop import open_loop_ids, summarise
 from bench.load import drain
 from bench.simulate import Phase
@@ -69,11 +72,12 @@ def warm_count(paced_rate: float | None) -> int:
 
 def run_config(url: str, name: str, settings: dict[str, Any], goal: Goal, seed: int,
                target_ms: float, log_dir: Path, timeout_s: float = 120.0,
-               paced_rate: float | None = None,
-               device: Device = ECHO_DEVICE) -> dict[str, Any]:
+               paced_rate: float | None = None, device: Device = ECHO_DEVICE,
+               sampled: bool = False) -> dict[str, Any]:
     """One configuration through one goal's arrivals, warmed up first. A namespace of its
     own per goal: a run that left requests unanswered leaves them in its stream, and the
-    next goal's worker would serve that backlog first (and reply to this receiver)."""
+    next goal's worker would serve that backlog first (and reply to this receiver).
+    `sampled`: the worker's decisions per window too (`dispatch`, bench/latency_metrics.py)."""
     namespace = "lat-" + "".join(ch if ch.isalnum() else "-" for ch in f"{goal.name} {name}")
     sent_at, lengths = goal.arrivals(seed)
     payloads = device.payloads(lengths)
@@ -81,8 +85,15 @@ def run_config(url: str, name: str, settings: dict[str, Any], goal: Goal, seed: 
     with Workers(url, namespace, 1, log_dir, **settings) as pool:
         pool.wait_until_reading()
         warm_up(url, pool.stream, payloads, paced_rate, timeout_s)
-        samples = open_loop_ids(url, pool.stream, payloads, sent_at, timeout_s)
-    return summarise(samples, sent_at, goal.phases, target_ms, lengths, device.boundaries)
+        sampling = MetricSampling(pool.ports, log_dir / f"{namespace}-metrics.json")
+        with sampling if sampled else contextlib.nullcontext():
+            started_at = time.time()
+            samples = open_loop_ids(url, pool.stream, payloads, sent_at, timeout_s)
+    row = summarise(samples, sent_at, goal.phases, target_ms, lengths, device.boundaries)
+    if sampled:
+        row["dispatch"] = per_window(sampling.snapshots, started_at,
+                                     len(row["windows_p99_ms"]))
+    return row
 
 
 def saturation(url: str, log_dir: Path, device: Device = ECHO_DEVICE) -> float:
@@ -148,6 +159,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--goals", default="G1,G3", help="which goals to run, e.g. G2,G4,G5")
     parser.add_argument("--paced-warmup", action="store_true", help="warm up at 25 %% of C "
                         "for 3 s instead of with a burst of 512 requests")
+    parser.add_argument("--sample-metrics", action="store_true", help="record the worker's "
+                        "decisions per 10 s window (dispatch reasons, requests per batch, "
+                        "device busy, margin) from its /metrics")
     parser.add_argument("--reply-timeout-s", type=float, default=120.0, help="how long "
                         "after the last arrival to wait for replies (the rest: unanswered)")
     return parser
@@ -168,7 +182,8 @@ def run_goals(args: argparse.Namespace, url: str, log_dir: Path, c: float,
             print(goal.name, "/", name, flush=True)
             results[goal.name][name] = run_config(
                 url, name, settings, goal, args.seed, args.target_ms, log_dir,
-                args.reply_timeout_s, 0.25 * c if args.paced_warmup else None, device)
+                args.reply_timeout_s, 0.25 * c if args.paced_warmup else None, device,
+                args.sample_metrics)
             if args.out:
                 args.out.write_text(json.dumps(results, indent=1) + "\n")
         print(goal.name, json.dumps(results[goal.name], indent=1), flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,33 @@ def repeats(results: dict[str, Any], target: float) -> list[str]:
     return out
 
 
+def joined(windows: list[dict[str, Any]], key: str) -> str:
+    return " / ".join(f"{window[key]:g}" for window in windows)
+
+
+def dispatch_rows(results: dict[str, Any]) -> list[str]:
+    """The worker's decisions per 10 s window, for the runs of `--sample-metrics`."""
+    out: list[str] = []
+    for goal, rows in results.items():
+        sampled = {name: row["dispatch"] for name, row in rows.items()
+                   if isinstance(row, dict) and "dispatch" in row} \
+            if goal.startswith("G") and isinstance(rows, dict) else {}
+        if not sampled:
+            continue
+        out += [f"{goal}, the worker's decisions per 10 s window (`--sample-metrics`):", "",
+                "| configuration | requests per batch | device busy | margin (ms) | "
+                "dispatch reasons (whole run) |", "|---|---|---|---|---|"]
+        for name, windows in sampled.items():
+            reasons: Counter[str] = Counter()
+            for window in windows:
+                reasons.update(window["reasons"])
+            out.append(f"| {name} | {joined(windows, 'per_batch')} | "
+                       f"{joined(windows, 'busy')} | {joined(windows, 'margin_ms')} | "
+                       f"{', '.join(f'{r} {n}' for r, n in reasons.most_common())} |")
+        out.append("")
+    return out
+
+
 def render(results: dict[str, Any]) -> str:
     target, c = results["target_ms"], results["capacity_per_s"]
     out = [f"Model {results.get('model', 'echo')}: C = {c}/s, T = {target:g} ms, "
@@ -178,7 +206,8 @@ def render(results: dict[str, Any]) -> str:
         out += ["G3 overload (150 % of C, shed_over_target for redbatch; the static "
                 "settings and baselines 2-4 cannot shed, cork refuses at dispatch):", "",
                 *g3_rows(results["G3 overload"], c, target), ""]
-    return "\n".join(out + new_goals(results, target) + repeats(results, target))
+    return "\n".join(out + new_goals(results, target) + repeats(results, target)
+                     + dispatch_rows(results))
 
 
 if __name__ == "__main__":

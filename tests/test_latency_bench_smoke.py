@@ -180,11 +180,15 @@ def test_minilm_requests_have_exactly_their_token_length() -> None:
 @pytest.mark.slow
 def test_g4_runs_on_the_real_minilm_encoder(tmp_path: Path) -> None:
     results = run_benchmark(tmp_path, "--model", "minilm", "--capacity", "30", "--goals", "G4",
-                            "--only", "redbatch")
+                            "--only", "redbatch", "--sample-metrics")
     row = results["G4 drift"]["redbatch"]
     before, after = row["compute_ms_per_phase"]
     assert after >= 1.2 * before and row["unanswered"] == 0  # the encoder drifted, x1.5
-    assert "MiniLM's batch times x1.5" in render(results)
+    window = row["dispatch"][0]  # the worker's decisions, sampled from its /metrics
+    assert sum(window["reasons"].values()) > 0 and window["per_batch"] >= 1
+    assert 0 < window["busy"] < 1.5
+    markdown = render(results)
+    assert "MiniLM's batch times x1.5" in markdown and "--sample-metrics" in markdown
 
 
 def test_the_sweep_for_c_takes_its_shares_from_the_command_line() -> None:
