@@ -255,13 +255,15 @@ class LatencyPolicy:
 
     def started(self, instance: int, bucket: int, size: int, longest: int,
                 now_ms: float) -> None:
-        """Busy until the end predicted at dispatch (on the CPU `now_ms` is already the end
-        of the run), else until the predicted run from now."""
+        """Busy from now until the predicted run ends (told just before the launch, once the
+        instance's previous batch is done), and no longer counted as sent. Not until the end
+        predicted at dispatch: that one began at the previous batch's predicted end, and
+        chained so, each batch's over-prediction (at the target percentile, not the mean)
+        would carry into the next, and an instance busy back to back look ever later."""
         for index, sent in enumerate(self.sent):
             if (sent.bucket, sent.size, sent.longest) == (bucket, size, longest):
                 del self.sent[index]
-                self.busy_until_ms[instance] = sent.done_ms
-                return
+                break
         self.busy_until_ms[instance] = now_ms + self.model.predict_ms(bucket, size, longest)
 
     def finished(self, instance: int, bucket: int, size: int, longest: int, compute_ms: float,
