@@ -126,8 +126,8 @@ class LatencyPolicy:
         self.margin = SafetyMargin(target_ms, percentile)
         self.rates = [ArrivalRate() for _ in range(buckets)]
         self.busy_until_ms = [0.0] * instances
-        # A synchronous device (the CPU) runs the batch inside the launch, so started() is
-        # told only once it is done: until then the batch is known from its dispatch.
+        # A batch sent is known from its dispatch until started() is told, just before its
+        # launch (the compute loop first completes the batch before it).
         self.sent: list[Sent] = []
 
     def deadline_ms(self, member: Member) -> float:
