@@ -7,12 +7,14 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from worker.execution.generation import GenerationEngine
 from worker.models.base import Prepared
 from worker.models.echo import EchoModel
+from worker.models.generative import CausalLM
 from worker.policy.governor import MemoryReading
 
 
@@ -151,7 +153,10 @@ class MatmulModel(EchoModel):
 
 
 class CostModel(EchoModel):
-    """Takes `fixed_ms` per batch plus `per_token_ms` per padded token, like a real model."""
+    """Takes `fixed_ms` per batch plus `per_token_ms` per padded token, like a real model.
+    Each forward's modelled seconds go to `modelled_s` (shared), for a clock-free test."""
+
+    modelled_s: ClassVar[list[float]] = []
 
     def __init__(self, fixed_ms: float = 20.0, per_token_ms: float = 0.5) -> None:
         super().__init__()
@@ -162,7 +167,8 @@ class CostModel(EchoModel):
 
     def forward(self, batch: tuple[int, list[Any]]) -> list[Any]:
         padded_tokens, data = batch
-        time.sleep(self.fixed_s + self.per_token_s * padded_tokens)
+        self.modelled_s.append(self.fixed_s + self.per_token_s * padded_tokens)
+        time.sleep(self.modelled_s[-1])
         return data
 
 
@@ -170,3 +176,25 @@ class SerialEcho(EchoModel):
     """An echo that does not declare concurrent_forward: `instances = "auto"` runs one."""
 
     concurrent_forward = False
+
+
+class SlowStepLM(CausalLM):
+    """The causal LM with every engine step followed by a sleep of `step_ms`: a generation
+    of n tokens takes at least n x step_ms, so it outlasts a grace or a claim time by
+    construction, on a fast host as on a slow one (a sleep never returns early)."""
+
+    def __init__(self, step_ms: float = 20.0, **options: Any) -> None:
+        super().__init__(**options)
+        self.step_s = step_ms / 1000
+
+    def engine(self) -> GenerationEngine:
+        engine = super().engine()
+        run_step = engine.step
+
+        def slow_step(*args: Any, **kwargs: Any) -> Any:
+            output = run_step(*args, **kwargs)
+            time.sleep(self.step_s)
+            return output
+
+        engine.step = slow_step  # type: ignore[method-assign]
+        return engine

@@ -6,13 +6,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests.plugin_models import FixedMemory, PressureModel
+from tests.plugin_models import CostModel, FixedMemory, PressureModel
 from worker.app import StartupError, build_worker
+from worker.execution import calibration
 from worker.execution.calibration import (
     batch_sizes,
     calibrate_bucket,
@@ -109,16 +111,23 @@ def test_a_malformed_calibration_file_stops_the_worker_clearly(
         build_worker(settings, r)
 
 
-def test_warm_up_measures_how_much_padding_a_merge_may_add(redis_url: str, r: redis.Redis) -> None:
+def test_warm_up_measures_how_much_padding_a_merge_may_add(
+        redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """60 ms per batch and 1.5 ms per padded token: a batch is worth 40 padded tokens.
 
-    The costs are large and the bucket's cap (16 x 8 = 128 tokens) far above 40, so a
-    busy host's late wake-ups (CI saw 10 ms) move the fit by a few tokens, not past a bound."""
+    Each timed run reads the time the model was asked to take, not the clock: a busy host's
+    late wake-ups (CI saw 10 ms) would move a fit from real sleeps past any tight bound."""
+
+    def modelled(run: Callable[[], object]) -> float:
+        run()
+        return CostModel.modelled_s[-1]
+
+    monkeypatch.setattr(calibration, "timed", modelled)
     settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
                              model_options={"fixed_ms": 60.0, "per_token_ms": 1.5},
                              bucket_boundaries=[8, 64], max_batch_size=16, metrics_port=0)
     worker = build_worker(settings, r)
-    assert 28 <= worker.batcher.merge_tokens <= 80
+    assert worker.batcher.merge_tokens == 40
 
 
 def test_merge_tokens_set_by_hand_is_kept(redis_url: str, r: redis.Redis) -> None:

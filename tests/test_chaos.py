@@ -152,7 +152,10 @@ def test_sigterm_answers_what_is_held_and_exits_0_within_the_grace(
         redis_url: str, r: redis.Redis, spawn) -> None:
     heaviest_on_redis_7_only(r)
     grace_s = 10.0
-    a = spawn(redis_url, "a", "--shutdown-grace-s", str(grace_s))
+    # 20 ms a batch: the 2000 requests take "a" alone 2.5 s or more, so the signal lands
+    # while most are still unread, however late this process sees the first 200 replies
+    a = spawn(redis_url, "a", "--shutdown-grace-s", str(grace_s),
+              "--model-options", '{"delay_ms": 20}')
     a.wait_serving()
     ids, replies = submit(redis_url)
     hold_entries(r, a, replies, "a")

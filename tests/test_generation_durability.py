@@ -55,11 +55,16 @@ def spawn(tmp_path: Path, tiny_path: Path, redis_url: str) -> Iterator[Spawn]:
     started: list[WorkerProcess] = []
 
     def start(name: str, claim_idle_ms: int = 600, max_seqs: int = 16,
-              *flags: str) -> WorkerProcess:
-        options = {"path": str(tiny_path), "max_new_tokens": 16, "max_new_tokens_limit": 120,
-                   "max_seqs": max_seqs}
+              *flags: str, step_ms: float | None = None) -> WorkerProcess:
+        """`step_ms`: each decoding step takes at least that long (tests.plugin_models)."""
+        options: dict[str, Any] = {"path": str(tiny_path), "max_new_tokens": 16,
+                                   "max_new_tokens_limit": 120, "max_seqs": max_seqs}
+        model = "causal_lm"
+        if step_ms is not None:
+            model, options["step_ms"] = "tests.plugin_models:SlowStepLM", step_ms
         started.append(WorkerProcess(
-            redis_url, tmp_path / f"{name}-{len(started)}.log", "--model", "causal_lm",
+            redis_url, tmp_path / f"{name}-{len(started)}.log", "--model", model,
+            "--model-name", "causal_lm",
             "--model-options", json.dumps(options), "--consumer", name,
             "--claim-idle-ms", str(claim_idle_ms), "--block-ms", "100",
             "--max-inflight", "64", "--maintenance-interval-s", "0.5", *flags))
@@ -190,7 +195,9 @@ def test_keep_alive_claims_only_our_own_entries_without_counting_a_delivery(
             r.xpending_range(STREAM, "workers", "-", "+", 10)}
     assert [rows[i]["consumer"] for i in ids] == [b"w1", b"w1", b"w2"]
     assert all(rows[i]["times_delivered"] == 1 for i in ids)
-    assert rows[ids[0]]["time_since_delivered"] < 40 <= rows[ids[2]]["time_since_delivered"]
+    # ids[0] was claimed afresh after the 50 ms sleep, ids[2] not (one reply, no clock here)
+    idle = {i: rows[i]["time_since_delivered"] for i in ids}
+    assert idle[ids[2]] - idle[ids[0]] >= 45 and idle[ids[2]] >= 50
     assert streams.keep_alive([]) == []
 
 
@@ -289,7 +296,8 @@ def test_kill_9_mid_generation_every_stream_resumes_whole_and_identical(
 def test_a_long_generation_on_a_live_worker_is_not_claimed_by_another(
         spawn: Spawn, r: redis.Redis) -> None:
     claim_idle_ms = 2000  # keep-alive every 667 ms: a stall of the loop up to 1.3 s is fine
-    workers = [spawn(n, claim_idle_ms, 1) for n in ("a", "b")]
+    # 12 generations of 100 steps of at least 3 ms each, one at a time: 3.6 s or more
+    workers = [spawn(n, claim_idle_ms, 1, step_ms=3.0) for n in ("a", "b")]
     for worker in workers:
         worker.wait_serving()
     started = time.monotonic()
@@ -319,7 +327,9 @@ def test_a_long_generation_on_a_live_worker_is_not_claimed_by_another(
 @pytest.mark.slow
 def test_sigterm_finishes_within_the_grace_or_leaves_the_rest_to_resume(
         spawn: Spawn, r: redis.Redis, reference: tuple[Any, Any]) -> None:
-    leaving = spawn("leaving", 500, 1, "--shutdown-grace-s", "0.5").wait_serving()
+    # steps of at least 20 ms: the short one takes some 0.2 s of the 1 s grace, and a long
+    # one (2 s or more) is cut by it, on any host
+    leaving = spawn("leaving", 500, 1, "--shutdown-grace-s", "1.0", step_ms=20.0).wait_serving()
     # a short one, done within the grace; long ones, cut by it
     sent = [(send(r, p), p) for p in ({"prompt": PROMPTS[i % 6],
                                        "max_new_tokens": 8 if i == 0 else NEW_TOKENS,
