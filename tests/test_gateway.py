@@ -253,11 +253,12 @@ def test_backlog_is_429_with_retry_after(r: redis.Redis, gateway_factory: Any) -
 
 
 def test_timeout_is_504(r: redis.Redis, worker_factory: Any, gateway_factory: Any) -> None:
-    with worker_factory(model="echo", model_options={"delay_ms": 500}), \
+    # the answer takes 2 s or more (slept), the gateway gives up at 0.2 s: no race
+    with worker_factory(model="echo", model_options={"delay_ms": 2000}), \
             gateway_factory(request_timeout_s=0.2) as base_url:
         started = time.monotonic()
         response = post(base_url, {"model": "echo", "input": ["slow", "slower"]})
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 1.9  # before the answer could have come
         with pytest.raises(openai.APIStatusError) as raised:
             sdk(base_url).embeddings.create(model="echo", input="x")
         assert raised.value.status_code == 504

@@ -184,7 +184,7 @@ def test_minilm_requests_have_exactly_their_token_length() -> None:
 
 @pytest.mark.slow
 def test_g4_runs_on_the_real_minilm_encoder(tmp_path: Path) -> None:
-    results = run_benchmark(tmp_path, "--model", "minilm", "--capacity", "30", "--goals", "G4",
+    results = run_benchmark(tmp_path, "--model", "minilm", "--capacity", "20", "--goals", "G4",
                             "--only", "redbatch", "--sample-metrics")
     row = results["G4 drift"]["redbatch"]
     assert all(ms > 0 for ms in row["compute_ms_per_phase"]) and row["unanswered"] == 0
