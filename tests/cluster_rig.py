@@ -10,6 +10,7 @@ and every replica `master_link_status:up`, so no fault is injected before replic
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -119,3 +120,33 @@ def flush(rig: ClusterRig) -> None:
     for node in rig.masters():
         with node.client() as client:
             client.flushall()
+
+
+@contextmanager
+def paused(*nodes: RedisNode) -> Iterator[None]:
+    """The nodes' redis-server processes stopped (SIGSTOP) for the block, continued
+    (SIGCONT) in a `finally`. A stopped replica acknowledges nothing for as long as the block
+    lasts, whatever the host's scheduling: unlike a DEBUG SLEEP sent from a thread, it needs
+    no head start and does not end on a timer. The block starts once the kernel reports
+    every process stopped. Keep blocks on a cluster short of what the test can tolerate:
+    past cluster-node-timeout the other nodes flag a stopped node as failing (it rejoins
+    when continued)."""
+    stopped: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in nodes:
+            assert node.process is not None and node.process.poll() is None, node.dir
+            node.process.send_signal(signal.SIGSTOP)
+            stopped.append(node.process)
+        if Path("/proc").is_dir():
+            wait_until(lambda: all(_state(p.pid) == "T" for p in stopped), 10,
+                       "a paused redis-server did not stop")
+        yield
+    finally:
+        for process in stopped:
+            process.send_signal(signal.SIGCONT)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc/<pid>/stat (T: stopped by a signal)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]

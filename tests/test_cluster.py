@@ -11,9 +11,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ import redis
 from producer import AsyncClient, Client, Overloaded, protocol
 from producer.backlog import ShardCycle
 from producer.connection import ReplicaCount
-from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush
+from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
 from tests.conftest import wait_until
 from worker.streams.replier import Reply
 from worker.streams.shard_replies import ForeignReplies
@@ -56,10 +56,10 @@ def test_echo_through_sharded_streams_one_reply_each(rig: ClusterRig,
         shared = client.new_reply_key()  # one list, in some other slot: ForeignReplies
         ids = client.submit_many([{"m": n} for n in range(180)], reply_to=shared)
         ids.append(client.submit({"m": 180}, reply_to=shared))
-        envelopes = client.collect(shared, len(ids) + 5, timeout=5)
-        assert Counter(e["id"] for e in envelopes) == Counter(ids)  # one each, none twice
+        envelopes = client.collect(shared, len(ids), timeout=30)  # returns once all came
+        assert Counter(e["id"] for e in envelopes) == Counter(ids)  # one each
         assert client.infer({"one": 1}, timeout=10) == {"one": 1}
-    assert client.redis.llen(shared) == 0
+    assert client.redis.llen(shared) == 0  # none twice: the worker stopped, nothing came late
     added = shard_lengths(client.redis, 6)
     assert sum(added) == 302 and min(added) >= 40  # round-robin: every shard had its share
     from worker.commands.stats import run_stats
@@ -130,9 +130,11 @@ def test_worker_killed_mid_run_is_reclaimed_by_another(rig: ClusterRig, tmp_path
         wait_until(lambda: client.redis.llen(shared) >= 10, 60, "worker A never answered")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
-        envelopes = client.collect(shared, len(ids), timeout=0.5)
+        envelopes = client.collect(shared, len(ids), timeout=0.5)  # what A answered
         with cluster_worker(url, consumer="rescuer", claim_idle_ms=1000):
-            envelopes += client.collect(shared, len(ids) - len(envelopes) + 5, timeout=8)
+            # returns once every reply came; the limit only guards against a hang
+            envelopes += client.collect(shared, len(ids) - len(envelopes), timeout=90)
+        assert client.redis.llen(shared) == 0  # none twice: B stopped, nothing came late
     finally:
         if victim.poll() is None:
             victim.kill()
@@ -146,28 +148,35 @@ def test_worker_killed_mid_run_is_reclaimed_by_another(rig: ClusterRig, tmp_path
 
 def test_wait_runs_on_the_writes_node_and_short_waits_resubmit(rig: ClusterRig) -> None:
     """WAIT must go on the connection of the write: with the replica of shard 0's master
-    asleep (DEBUG SLEEP), WAITs for shard 0 come back short (a WAIT on another node, or on
-    a connection without writes, would not) and the producer resubmits the same ids, which
-    adds nothing twice; the other shards' WAITs are met."""
+    stopped (SIGSTOP), WAITs for shard 0 come back short (a WAIT on another node, or on a
+    connection without writes, would not) and the producer resubmits the same ids, which
+    adds nothing twice; the other shards' WAITs are met (a long WAIT timeout: WAIT returns
+    as soon as the replica acknowledges). The replica is continued (SIGCONT) once shard 0's
+    write was resubmitted and that came back short too."""
     url = rig.url()
+    met = Client(url, "echo", cluster=True, replicas_to_wait=1, replicas_wait_ms=5000)
     client = Client(url, "echo", cluster=True, replicas_to_wait=1, replicas_wait_ms=50)
-    assert client.cycle is not None
+    assert met.cycle is not None and client.cycle is not None
     stream = protocol.shard_stream_key("redbatch", "echo", 0)
     replica = rig.replica_of(rig.master_of(stream))
-    with cluster_worker(url, replicas_to_wait=1, replicas_wait_ms=50):
-        client.cycle = ShardCycle(6, start=1)
-        reply_to = client.new_reply_key()
-        ids = client.submit_many([{"n": n} for n in range(5)], reply_to=reply_to)  # 1..5
-        assert client.short_waits == 0  # replicas of shards 1-5 answered their WAITs
-        sleeper = replica.client(socket_timeout=10)
-        threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "1.5"),
-                         daemon=True).start()
-        time.sleep(0.2)
-        ids += client.submit_many([{"n": n} for n in range(5, 11)], reply_to=reply_to)
-        assert client.short_waits >= 1  # shard 0's WAIT, on its master's connection
-        envelopes = client.collect(reply_to, len(ids) + 3, timeout=4)
-    assert Counter(e["id"] for e in envelopes) == Counter(ids)  # one each, none twice
+    with cluster_worker(url, replicas_to_wait=1, replicas_wait_ms=50), \
+            ThreadPoolExecutor(1) as pool:
+        met.cycle = ShardCycle(6, start=1)
+        reply_to = met.new_reply_key()
+        ids = met.submit_many([{"n": n} for n in range(5)], reply_to=reply_to)  # 1..5
+        assert met.short_waits == 0  # replicas of shards 1-5 answered their WAITs
+        client.cycle = ShardCycle(6, start=0)  # shard 0 first, then 1..5
+        with paused(replica):
+            sending = pool.submit(client.submit_many, [{"n": n} for n in range(5, 11)],
+                                  reply_to=reply_to)
+            wait_until(lambda: client.short_waits >= 2, 30, "shard 0 was not resubmitted")
+        ids += sending.result(timeout=60)
+        assert client.short_waits >= 2  # shard 0's WAIT, on its master's connection
+        envelopes = client.collect(reply_to, len(ids), timeout=30)  # returns once all came
+    assert Counter(e["id"] for e in envelopes) == Counter(ids)  # one each
+    assert client.redis.llen(reply_to) == 0  # none twice: the worker stopped, none came late
     assert client.redis.xinfo_stream(stream)["entries-added"] == 1  # not resubmitted twice
+    met.close()
     client.close()
 
 
@@ -203,8 +212,9 @@ def test_a_crash_between_the_foreign_push_and_the_ack_gives_one_push(
     envelope = protocol.encode(protocol.success_envelope("req-x", "first", {}), protocol.MSGPACK)
     dying.push(stream, [Reply(entry_id, reply_to, envelope)])  # step 1, then it dies
     with cluster_worker(url, consumer="heir", claim_idle_ms=500):
-        time.sleep(2.5)  # idle past claim_idle_ms, claimed, answered (push skipped), acked
-        assert r.xpending(stream, "workers")["pending"] == 0
+        # idle past claim_idle_ms, claimed, answered (push skipped), acked
+        wait_until(lambda: r.xpending(stream, "workers")["pending"] == 0, 30,
+                   "the heir did not claim and ack the entry")
     replies = [protocol.decode_envelope(d) for d in r.lrange(reply_to, 0, -1)]
     print(f"\n| worker killed between the foreign LPUSH and the XACK | 1 | "
           f"{1 - len(replies)} | {max(0, len(replies) - 1)} | — |")

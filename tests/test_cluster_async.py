@@ -4,13 +4,12 @@ connection of the shard's master, short WAITs resubmitted without adding anythin
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import Counter
 
 from producer import AsyncClient, Client, protocol
 from producer.backlog import ShardCycle
-from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush
+from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
 from tests.conftest import wait_until
 
 __all__ = ["cluster"]  # the fixture, imported for pytest
@@ -18,8 +17,11 @@ __all__ = ["cluster"]  # the fixture, imported for pytest
 
 def test_async_client_waits_on_the_writes_node_and_resubmits_short_waits(
         cluster: ClusterRig) -> None:
-    """As test_cluster's test of Client: the replica of shard 0's master asleep, shard 0's
-    WAIT comes back short and the same ids are sent again; the other shards' are met."""
+    """As test_cluster's test of Client: the replica of shard 0's master stopped (SIGSTOP),
+    shard 0's WAIT comes back short and the same ids are sent again; the other shards' are
+    met (a long WAIT timeout, which returns as soon as the replica acknowledges). The
+    replica is continued (SIGCONT) once shard 0's write was resubmitted and that came back
+    short too."""
     wait_until(cluster.healthy, 20, "the cluster is not healthy")
     flush(cluster)
     url = cluster.url()
@@ -29,29 +31,34 @@ def test_async_client_waits_on_the_writes_node_and_resubmits_short_waits(
     reply_to = sync.new_reply_key()
 
     async def submit() -> tuple[list[str], int, int]:
+        met = AsyncClient(url, "echo", cluster=True, replicas_to_wait=1, replicas_wait_ms=5000)
         client = AsyncClient(url, "echo", cluster=True, replicas_to_wait=1,
                              replicas_wait_ms=50)
         try:
+            await met._discover()
+            met.cycle = ShardCycle(6, start=1)
+            ids = await met.submit_many([{"n": n} for n in range(5)], reply_to=reply_to)
             await client._discover()
-            client.cycle = ShardCycle(6, start=1)
-            ids = await client.submit_many([{"n": n} for n in range(5)], reply_to=reply_to)
-            met = client.short_waits  # shards 1-5: their replicas answered
-            sleeper = replica.client(socket_timeout=10)
-            threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "1.5"),
-                             daemon=True).start()
-            await asyncio.sleep(0.2)
-            ids += await client.submit_many([{"n": n} for n in range(5, 11)],
-                                            reply_to=reply_to)
-            return ids, met, client.short_waits
+            client.cycle = ShardCycle(6, start=0)  # shard 0 first, then 1..5
+            with paused(replica):
+                sending = asyncio.ensure_future(client.submit_many(
+                    [{"n": n} for n in range(5, 11)], reply_to=reply_to))
+                hang_guard = time.monotonic() + 30
+                while client.short_waits < 2 and not sending.done() \
+                        and time.monotonic() < hang_guard:
+                    await asyncio.sleep(0.01)
+                resubmitted_short = client.short_waits  # shard 0's, before it could be met
+            ids += await asyncio.wait_for(sending, 60)
+            return ids, met.short_waits, resubmitted_short
         finally:
+            await met.close()
             await client.close()
 
     with cluster_worker(url, replicas_to_wait=1, replicas_wait_ms=50):
-        started = time.monotonic()
         ids, met, short = asyncio.run(submit())
-        assert met == 0 and short >= 1, (met, short)
-        assert time.monotonic() - started < 30
-        envelopes = sync.collect(reply_to, len(ids) + 3, timeout=4)
-    assert Counter(e["id"] for e in envelopes) == Counter(ids)  # one each, none twice
+        assert met == 0 and short >= 2, (met, short)  # shards 1-5 met; 0 short, resubmitted
+        envelopes = sync.collect(reply_to, len(ids), timeout=30)  # returns once all came
+    assert Counter(e["id"] for e in envelopes) == Counter(ids)  # one each
+    assert sync.redis.llen(reply_to) == 0  # none twice: the worker stopped, none came late
     assert sync.redis.xinfo_stream(stream)["entries-added"] == 1  # not resubmitted twice
     sync.close()

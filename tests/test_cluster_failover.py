@@ -60,7 +60,9 @@ class Run:
 def under_load(rig: ClusterRig, inject: Callable[[], None], promoted: Callable[[], bool],
                seed: int) -> Run:
     """REQUESTS echo requests through one worker (WAIT on), `inject` run after KILL_AT of
-    them, `promoted` polled from then on; returns once every reply came (or SETTLE_S)."""
+    them, `promoted` polled from then on; returns once every reply came (or SETTLE_S).
+    Every step is bounded (the submits' retries, the joins, SETTLE_S, the worker's stop),
+    so no test built on it can hang; none asserts a total time."""
     url, run, stop, kill = rig.url(), Run(), threading.Event(), threading.Event()
     outcome = run.outcome
     with cluster_worker(url, replicas_to_wait=-1, shutdown_grace_s=5):
@@ -100,7 +102,13 @@ def assert_exactly_once(run: Run) -> None:
     assert len(run.outcome.submitted) == REQUESTS
     assert run.outcome.duplicated == 0
     assert run.outcome.lost == 0
-    assert run.failover_s() < 15 and run.outcome.recovery_s() < 15
+    assert run.promoted_at, "the replica never took over"  # within wait_promoted's 30 s
+    # How long the cluster takes to promote is not asserted; the clients' recovery is,
+    # from the promotion on: the first reply to a request submitted after the fault, and
+    # the longest submit (one to the failed master's shards, begun after the fault, which
+    # is accepted only once the new master has the slots).
+    assert run.outcome.recovery_s() - run.failover_s() < 10, run.outcome.row("recovery")
+    assert max(run.submit_s) - run.failover_s() < 10, (max(run.submit_s), run.failover_s())
 
 
 def kill_a_master(binary: Path, directory: Path, seed: int, scenario: str) -> None:
@@ -114,16 +122,13 @@ def kill_a_master(binary: Path, directory: Path, seed: int, scenario: str) -> No
 
 
 def test_master_killed_mid_run_keeps_exactly_one_reply(redis7: Path, tmp_path: Path) -> None:
-    started = time.monotonic()
     kill_a_master(redis7, tmp_path, 14, "kill -9 of a cluster master, replicas_to_wait auto")
-    assert time.monotonic() - started < 90
 
 
 def test_manual_failover_mid_run_keeps_exactly_one_reply(redis7: Path,
                                                          tmp_path: Path) -> None:
     """`CLUSTER FAILOVER` to the replica of a master that does not hold the shared reply
     key: the old master answers MOVED (or is paused) while the replica takes its slots."""
-    started = time.monotonic()
     with cluster_rig(redis7, tmp_path) as rig:
         holder = rig.master_of(REPLY_TO)
         victim = next(m for m in rig.masters() if m is not holder)
@@ -132,7 +137,6 @@ def test_manual_failover_mid_run_keeps_exactly_one_reply(redis7: Path,
                          lambda: switched(rig, replica, victim), seed=15)
     report(run, "CLUSTER FAILOVER to a replica, replicas_to_wait auto", "CLUSTER FAILOVER")
     assert_exactly_once(run)
-    assert time.monotonic() - started < 60  # about 10-12 s on the 2-core VM
 
 
 def manual_failover(replica: RedisNode) -> None:

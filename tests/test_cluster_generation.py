@@ -19,7 +19,7 @@ import redis
 
 from producer import Client, protocol
 from producer.connection import ReplicaCount
-from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush
+from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
 from tests.conftest import wait_until
 from tests.test_cluster import worker_process
 from tests.test_generation_durability import entries_of
@@ -148,22 +148,23 @@ def test_reply_streams_in_another_slot_get_one_done_entry(rig: ClusterRig) -> No
 
 def test_a_done_entry_and_its_ack_wait_for_the_shard_s_replica(rig: ClusterRig) -> None:
     """TokenStreams.finish runs WAIT on the shard master's connection: met while the
-    replica answers, short (counted) while it sleeps; the entry is answered either way."""
-    import threading
-    import time
-
+    replica answers (a long WAIT timeout: it returns as soon as the replica acknowledges),
+    short (counted) while it is stopped (SIGSTOP); the entry is answered either way."""
     from worker.observe import metrics
     from worker.streams.token_streams import Chunk, FinalChunk, TokenStreams
 
     with redis.RedisCluster.from_url(rig.url()) as client:
         stream = protocol.shard_stream_key("redbatch", "lm", 0)
-        streams = TokenStreams(client, stream, "workers", "me", 60000,
-                               protocol.shard_answered_key("redbatch", "lm", 0), "lm",
-                               ReplicaCount(1, 50))
+
+        def token_streams(replicas: ReplicaCount) -> TokenStreams:
+            return TokenStreams(client, stream, "workers", "me", 60000,
+                                protocol.shard_answered_key("redbatch", "lm", 0), "lm",
+                                replicas)
+
         client.xgroup_create(stream, "workers", id="0", mkstream=True)
         short = metrics.REPLICATION_SHORT.labels("lm")
 
-        def finish_one(index: int) -> None:
+        def finish_one(streams: TokenStreams, index: int) -> None:
             entry = client.xadd(stream, {"id": f"r{index}"}).decode()
             client.xreadgroup("workers", "me", {stream: ">"})
             key = protocol.shard_token_stream_key("redbatch", "lm", 0, f"r{index}")
@@ -171,12 +172,9 @@ def test_a_done_entry_and_its_ack_wait_for_the_shard_s_replica(rig: ClusterRig) 
             assert client.xlen(key) == 1
 
         before = short._value.get()
-        finish_one(1)
+        finish_one(token_streams(ReplicaCount(1, 5000)), 1)
         assert short._value.get() == before  # the replica acknowledged
-        sleeper = rig.replica_of(rig.master_of(stream)).client(socket_timeout=10)
-        threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "1"),
-                         daemon=True).start()
-        time.sleep(0.2)
-        finish_one(2)
+        with paused(rig.replica_of(rig.master_of(stream))):
+            finish_one(token_streams(ReplicaCount(1, 50)), 2)
         assert short._value.get() == before + 1
         assert client.xpending(stream, "workers")["pending"] == 0

@@ -4,15 +4,15 @@ shard whose write fails is deferred while the other shards are answered."""
 
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import redis
 
 from producer import connection, protocol
-from tests.cluster_rig import ClusterRig, cluster, flush
+from tests.cluster_rig import ClusterRig, cluster, flush, paused
 from tests.conftest import wait_until
 from worker.observe import metrics
 from worker.settings import load_settings
@@ -70,33 +70,41 @@ def short_waits() -> float:
     return float(metrics.REPLICATION_SHORT.labels("echo")._value.get())
 
 
+def waits_blocked(master: redis.Redis) -> int:
+    """Clients blocked in WAIT on this master, at one instant (one CLIENT LIST)."""
+    return sum(1 for c in master.client_list()
+               if c.get("cmd") == "wait" and "b" in c.get("flags", ""))
+
+
 def test_every_shards_writes_and_waits_run_at_once(rig: ClusterRig) -> None:
-    """With every replica asleep, each of the 12 WAITs (per shard: the push to a shared
-    foreign reply_to, then the reply-and-ack) comes back short after 250 ms. Written one
-    shard after another they would take 3 s, and the replicas would wake after about 3 of
-    them; at once, all 12 are short and the round takes about two WAITs."""
+    """With every replica stopped (SIGSTOP), each of the 12 WAITs (per shard: the push to
+    a shared foreign reply_to, then the reply-and-ack) comes back short. They run at once:
+    one CLIENT LIST of the shared key's master finds the WAITs of all six shards' pushes
+    blocked at the same time. Written one shard after another, no more than one WAIT could
+    ever be blocked."""
     client = connection.sync_client(rig.url(), cluster=True)
-    replier = sharded_replier(client, rig.url(), wait_ms=250)
+    replier = sharded_replier(client, rig.url(), wait_ms=500)
     shared = "redbatch:reply:shared-elsewhere"
     replies = pending_everywhere(client, shared)
-    for master in rig.masters():  # as on a worker that has written before (no NOSCRIPT)
-        with master.client() as node:
-            node.script_load(PUSH_ONCE)
-            node.script_load(REPLY_AND_ACK)
+    masters = [master.client() for master in rig.masters()]
+    for master in masters:  # as on a worker that has written before (no NOSCRIPT)
+        master.script_load(PUSH_ONCE)
+        master.script_load(REPLY_AND_ACK)
+    assert [waits_blocked(master) for master in masters] == [0] * len(masters)
     before = short_waits()
-    sleepers = [threading.Thread(target=node.client(socket_timeout=10).execute_command,
-                                 args=("DEBUG", "SLEEP", "0.95"), daemon=True)
-                for node in rig.replicas()]
-    for sleeper in sleepers:
-        sleeper.start()
-    time.sleep(0.15)
-    began = time.monotonic()
-    assert replier.send_available(replies) == ([], [])
-    elapsed = time.monotonic() - began
-    for sleeper in sleepers:
-        sleeper.join(5)
-    assert short_waits() - before == 2 * SHARDS  # none waited for another shard's replica
-    assert elapsed < 1.5, elapsed  # 12 x 250 ms one after another
+    most = 0  # the most WAITs one master had blocked at one instant
+    with ThreadPoolExecutor(1) as pool:
+        with paused(*rig.replicas()):  # until send_available returned: every WAIT short
+            sending = pool.submit(replier.send_available, replies)
+            hang_guard = time.monotonic() + 30
+            while not sending.done() and time.monotonic() < hang_guard:
+                most = max(most, *(waits_blocked(master) for master in masters))
+            sent = sending.result(timeout=1)
+    for master in masters:
+        master.close()
+    assert sent == ([], [])
+    assert most == SHARDS  # every shard's push blocked in its WAIT at once
+    assert short_waits() - before == 2 * SHARDS  # each WAIT short, and counted
     for reply in replies:
         if reply.reply_key != shared:
             assert client.lrange(reply.reply_key, 0, -1) == [reply.envelope]
