@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -90,19 +89,3 @@ def test_a_busy_instance_leaves_the_next_batch_to_an_idle_one(redis_url: str) ->
     worker.inflight.idle = 0
     batch = worker.computes[0].next_batch(block=False)
     assert batch is not None and [p.entry_id for p in batch.members] == ["1-0"]
-
-
-def test_off_cuda_the_next_batch_is_planned_to_start_now(redis_url: str) -> None:
-    """On the CPU, launch() has already run the batch when the loop asks for the next one:
-    planning it for the running batch's predicted end would see its slack as spent."""
-    settings = load_settings(None, redis_url=redis_url, model="echo", instances=1,
-                             latency_target_ms=500.0, metrics_port=0)
-    model = loaded_model("echo", {})
-    worker = assemble_worker(settings, model, Executor(model, resolve_device("cpu")),
-                             connect(redis_url, settings.block_ms))
-    now_ms = time.time() * 1000
-    worker.batcher.add(Pending(f"{int(now_ms)}-0", Request("r1", b"", MSGPACK, "reply"),
-                               model.prepare({"n": 1}, 8), read_at=time.monotonic()))
-    worker.computes[0].latency.busy_until_ms[0] = now_ms + 10_000  # as told at launch
-    batch = worker.computes[0].next_batch(block=False)
-    assert batch is not None and batch.slack_ms is not None and batch.slack_ms > 0

@@ -100,11 +100,6 @@ class Executor:
         self.staging.release(copied)
         return Staged(items, batch, copy_started, copied)
 
-    @property
-    def launch_runs_forward(self) -> bool:
-        """Off CUDA, launch() runs the forward itself: once it returns, the device is free."""
-        return not self.lanes.is_cuda
-
     def launch(self, staged: Staged) -> Launched:
         """Queue the forward after the copy, and the copy of its output back to the host."""
         with self.lanes.computing():

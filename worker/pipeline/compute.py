@@ -88,7 +88,7 @@ class ComputeLoop:
                 if yields_to_idle(block, inflight.idle):
                     return None
                 now_ms = int(time.time() * 1000)
-                start_in_ms = self._start_in_ms(block, now_ms)
+                start_in_ms = 0.0 if block else self.latency.start_in_ms(self.instance, now_ms)
                 batch = self.batcher.next_batch(time.monotonic(), now_ms,
                                                 inflight.should_flush(), start_in_ms)
                 if batch is not None or not block:
@@ -102,13 +102,6 @@ class ComputeLoop:
                 finally:
                     inflight.idle -= 1
             return None
-
-    def _start_in_ms(self, block: bool, now_ms: int) -> float:
-        """Until this instance can start the next batch: now when nothing runs, or when the
-        running batch's launch already ran it (off CUDA); else at its predicted end."""
-        if block or self.runner.executor.launch_runs_forward:
-            return 0.0
-        return self.latency.start_in_ms(self.instance, now_ms)
 
     def complete(self, running: RunningBatch) -> list[Answer]:
         """The batch's results (or its error) as answers, with its metrics recorded."""
