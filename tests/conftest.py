@@ -317,6 +317,14 @@ class SentinelRig:
         with self.sentinels[0].client() as client:
             return int(client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)[1])
 
+    def master_ports(self) -> set[int]:
+        """The master's port as each sentinel names it (one port once they agree)."""
+        ports = set()
+        for node in self.sentinels:
+            with node.client() as client:
+                ports.add(int(client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)[1]))
+        return ports
+
 
 def master_replica(binary: Path, directory: Path,
                    tls: TlsFiles | None = None) -> tuple[RedisNode, RedisNode]:

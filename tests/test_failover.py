@@ -26,7 +26,6 @@ from producer import Client, protocol
 from producer.backlog import submitted_key
 from tests.cluster_rig import paused
 from tests.conftest import (
-    SENTINEL_SERVICE,
     RedisNode,
     SentinelRig,
     running_worker,
@@ -114,20 +113,11 @@ def submit_until_accepted(client: Client, payload: dict[str, object], request_id
             time.sleep(0.05)
 
 
-def sentinels_name(rig: SentinelRig, port: int) -> bool:
-    """Every sentinel names the master on `port` (a client may ask any of them)."""
-    for node in rig.sentinels:
-        with node.client() as client:
-            if int(client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)[1]) != port:
-                return False
-    return True
-
-
 def watch_promotion(rig: SentinelRig, outcome: Outcome, stop: threading.Event) -> None:
     """outcome.promoted_at: when every sentinel first named the replica as the master."""
     while not stop.is_set():
         try:
-            if sentinels_name(rig, rig.replica.port):
+            if rig.master_ports() == {rig.replica.port}:  # a client may ask any of them
                 outcome.promoted_at = time.monotonic()
                 return
         except redis.RedisError:
