@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-metrics", action="store_true", help="record the worker's "
                         "decisions per 10 s window (dispatch reasons, requests per batch, "
                         "device busy, margin) from its /metrics")
+    parser.add_argument("--instances", type=int, default=None, help="model instances per "
+                        "worker, for every configuration (default: the device's own, 2 on "
+                        "echo and 1 on minilm)")
     parser.add_argument("--reply-timeout-s", type=float, default=120.0, help="how long "
                         "after the last arrival to wait for replies (the rest: unanswered)")
     return parser
@@ -171,7 +175,7 @@ def run_goals(args: argparse.Namespace, url: str, log_dir: Path, c: float,
               results: dict[str, Any]) -> None:
     """Every chosen configuration through every chosen goal; the JSON written after each,
     should a run stop."""
-    device = DEVICES[args.model]
+    device = chosen_device(args)
     for goal in goals(c, args.phase_s, args.goals.split(","), args.g5_capacity, device):
         chosen = {name: settings for name, settings in configs(args.target_ms, goal.shed,
                                                                device.base).items()
@@ -189,9 +193,17 @@ def run_goals(args: argparse.Namespace, url: str, log_dir: Path, c: float,
         print(goal.name, json.dumps(results[goal.name], indent=1), flush=True)
 
 
+def chosen_device(args: argparse.Namespace) -> Device:
+    """The device `--model` names, with `--instances` if given."""
+    device = DEVICES[args.model]
+    if args.instances is None:
+        return device
+    return replace(device, base={**device.base, "instances": args.instances})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    device = DEVICES[args.model]
+    device = chosen_device(args)
     if args.target_ms is None:
         args.target_ms = device.target_ms
     known = set(configs(args.target_ms, False))
@@ -202,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         goals(1.0, args.phase_s, args.goals.split(","), device=device)
     except ValueError as exc:
         parser().error(f"--goals: {exc}")
-    results: dict[str, Any] = {"model": args.model, "target_ms": args.target_ms,
+    results: dict[str, Any] = {"model": args.model, "instances": device.base["instances"],
+                               "target_ms": args.target_ms,
                                "phase_s": args.phase_s,
                                "paced_warmup": args.paced_warmup, "seed": args.seed,
                                "load_average_at_start": list(os.getloadavg())}
