@@ -165,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
                         "device busy, margin) from its /metrics")
     parser.add_argument("--instances", type=int, default=None, help="model instances per "
                         "worker, for every configuration (default: the device's own, 2 on "
-                        "echo and 1 on minilm)")
+                        "echo and the worker's `auto` on minilm: one per core)")
     parser.add_argument("--reply-timeout-s", type=float, default=120.0, help="how long "
                         "after the last arrival to wait for replies (the rest: unanswered)")
     return parser
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser().error(f"--goals: {exc}")
     results: dict[str, Any] = {"model": args.model, "instances": device.base["instances"],
+                               "cores": len(os.sched_getaffinity(0)),
                                "target_ms": args.target_ms,
                                "phase_s": args.phase_s,
                                "paced_warmup": args.paced_warmup, "seed": args.seed,

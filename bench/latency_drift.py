@@ -61,6 +61,9 @@ def worst_after_step(s: Scenario, make: Callable[[], object], share: float, c: f
 
 
 def sweep(s: Scenario, share: float, seeds: Sequence[int], phase_s: float) -> dict[str, Any]:
+    if phase_s < 4 * WINDOW_S:
+        raise ValueError(f"a phase of {phase_s:g} s leaves no window from the 3rd after the "
+                         f"step: G4 needs phases of at least {4 * WINDOW_S:g} s")
     c = capacity(s, seeds[0])
     rows: dict[str, Any] = {}
     for name, make in policies(s).items():
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     s = scenario(args.fixed_ms, args.per_token_ms, args.instances, args.target_ms)
     seeds = list(range(1, args.seeds + 1))
+    if args.phase_s < 4 * WINDOW_S:
+        parser.error(f"--phase-s: at least {4 * WINDOW_S:g} s (windows from the 3rd after "
+                     "the step on)")
     print(table(s, args.share, seeds, sweep(s, args.share, seeds, args.phase_s)))
     return 0
 

@@ -203,3 +203,13 @@ def test_the_sweep_for_c_takes_its_shares_from_the_command_line() -> None:
     for bad in ("0.6,x", "0,0.5", "2"):
         with pytest.raises(SystemExit):
             parser().parse_args(["--shares", bad])
+
+
+def test_instances_apply_to_every_configuration_and_default_to_the_devices() -> None:
+    from bench.latency_bench import chosen_device, parser
+
+    assert chosen_device(parser().parse_args(["--model", "minilm"])).base["instances"] == "auto"
+    assert chosen_device(parser().parse_args([])).base["instances"] == 2
+    two = chosen_device(parser().parse_args(["--model", "minilm", "--instances", "2"]))
+    assert two.base["instances"] == 2 and two.base["torch_threads"] == 1
+    assert all(settings["instances"] == 2 for settings in configs(250.0, False, two.base).values())
