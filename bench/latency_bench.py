@@ -44,6 +44,7 @@ from bench.latency_metrics import MetricSampling, per_window
 from bench.latency_open_loop import open_loop_ids, summarise
 from bench.load import drain
 from bench.simulate import Phase
+from worker.execution.cores import available_cores
 from worker.streams.server import RedisServer
 
 WARM_BURST = 8  # the burst warm-up: PAYLOADS this many times over, sent at once
@@ -130,6 +131,17 @@ def capacity(url: str, target_ms: float, seed: int, log_dir: Path,
     return best, {"saturated_per_s": round(saturated, 1), "shares_held": held}
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def shares_list(text: str) -> tuple[float, ...]:
     try:
         shares = tuple(float(one) for one in text.split(","))
@@ -163,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-metrics", action="store_true", help="record the worker's "
                         "decisions per 10 s window (dispatch reasons, requests per batch, "
                         "device busy, margin) from its /metrics")
-    parser.add_argument("--instances", type=int, default=None, help="model instances per "
+    parser.add_argument("--instances", type=positive_int, default=None, help="model instances per "
                         "worker, for every configuration (default: the device's own, 2 on "
                         "echo and the worker's `auto` on minilm: one per core)")
     parser.add_argument("--reply-timeout-s", type=float, default=120.0, help="how long "
@@ -215,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser().error(f"--goals: {exc}")
     results: dict[str, Any] = {"model": args.model, "instances": device.base["instances"],
-                               "cores": len(os.sched_getaffinity(0)),
+                               "cores": available_cores(),
                                "target_ms": args.target_ms,
                                "phase_s": args.phase_s,
                                "paced_warmup": args.paced_warmup, "seed": args.seed,

@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench.latency_bench import positive_int
 from bench.latency_goals import (
     WINDOW_S,
     Scenario,
@@ -30,7 +31,8 @@ from bench.latency_goals import (
     two_peaks,
     windows,
 )
-from bench.simulate import Phase, ServiceCost, poisson_arrivals
+from bench.latency_report import after_recovery, drift_phases
+from bench.simulate import ServiceCost
 
 STATICS = ((0.0, 32), (2.0, 32), (5.0, 32))
 
@@ -54,10 +56,8 @@ def policies(s: Scenario) -> dict[str, Callable[[], object]]:
 def worst_after_step(s: Scenario, make: Callable[[], object], share: float, c: float,
                      phase_s: float, seed: int) -> list[float]:
     """The windows from the 3rd after the step on (those G4 requires under T)."""
-    phases = [Phase(phase_s, share * c), Phase(phase_s, share * c, slowdown=1.5)]
-    arrivals = poisson_arrivals(phases, s.lengths, seed)
-    per_window = windows(run(s, make(), phases, seed, arrivals), s, 2 * phase_s)
-    return per_window[int(phase_s // WINDOW_S) + 3:]
+    per_window = windows(run(s, make(), drift_phases(c, phase_s, share), seed), s, 2 * phase_s)
+    return after_recovery(per_window, phase_s)
 
 
 def sweep(s: Scenario, share: float, seeds: Sequence[int], phase_s: float) -> dict[str, Any]:
@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.latency_drift")
     parser.add_argument("--fixed-ms", type=float, default=12.0)
     parser.add_argument("--per-token-ms", type=float, default=0.2)
-    parser.add_argument("--instances", type=int, default=1)
+    parser.add_argument("--instances", type=positive_int, default=1)
     parser.add_argument("--target-ms", type=float, default=250.0)
     parser.add_argument("--share", type=float, default=0.5, help="the load, of C")
-    parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--seeds", type=positive_int, default=8)
     parser.add_argument("--phase-s", type=float, default=60.0)
     args = parser.parse_args(argv)
     s = scenario(args.fixed_ms, args.per_token_ms, args.instances, args.target_ms)

@@ -93,16 +93,25 @@ def overload(scenario: Scenario, c: float, phase_s: float, seed: int) -> dict[st
     return rows
 
 
+def drift_phases(c: float, phase_s: float, share: float = 0.5) -> list[Phase]:
+    """G4's load: `share` of C, then the same with the service time x1.5."""
+    return [Phase(phase_s, share * c), Phase(phase_s, share * c, slowdown=1.5)]
+
+
+def after_recovery(per_window: Sequence[float], phase_s: float) -> list[float]:
+    """The windows from the 3rd after the step on: those G4 requires under T."""
+    return list(per_window[int(phase_s // WINDOW_S) + 3:])
+
+
 def drift(scenario: Scenario, c: float, phase_s: float, seed: int) -> dict[str, Any]:
     """G4: the service time steps up x1.5 mid-run; back under T within 3 windows."""
-    phases = [Phase(phase_s, 0.5 * c), Phase(phase_s, 0.5 * c, slowdown=1.5)]
+    phases = drift_phases(c, phase_s)
     arrivals = poisson_arrivals(phases, scenario.lengths, seed)
-    change = int(phase_s // WINDOW_S)
     rows = {}
     for name, make in contenders(scenario).items():
         per_window = windows(run(scenario, make(), phases, seed, arrivals), scenario,
                              2 * phase_s)
-        settled = all(w <= scenario.target_ms for w in per_window[change + 3:])
+        settled = all(w <= scenario.target_ms for w in after_recovery(per_window, phase_s))
         rows[name] = {"windows_ms": [round(w, 1) for w in per_window], "met": settled}
     return rows
 

@@ -213,3 +213,12 @@ def test_instances_apply_to_every_configuration_and_default_to_the_devices() -> 
     two = chosen_device(parser().parse_args(["--model", "minilm", "--instances", "2"]))
     assert two.base["instances"] == 2 and two.base["torch_threads"] == 1
     assert all(settings["instances"] == 2 for settings in configs(250.0, False, two.base).values())
+
+
+def test_instances_below_one_are_refused_with_one_line(capsys) -> None:  # type: ignore[no-untyped-def]
+    from bench.latency_bench import parser
+
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--instances", bad])
+        assert "--instances" in capsys.readouterr().err

@@ -38,3 +38,9 @@ def test_the_table_names_the_device_and_every_policy(capsys) -> None:  # type: i
     assert main(["--seeds", "1", "--phase-s", "40", "--instances", "2"]) == 0
     out = capsys.readouterr().out
     assert "2 instance(s)" in out and "| redbatch |" in out and "| bentoml_cork |" in out
+
+
+def test_no_seeds_or_instances_are_refused_on_the_command_line() -> None:
+    for bad in (["--seeds", "0"], ["--instances", "0"]):
+        with pytest.raises(SystemExit):
+            main(bad)
