@@ -118,6 +118,7 @@ def capacity(url: str, target_ms: float, seed: int, log_dir: Path,
     saturated = saturation(url, log_dir, device)
     lengths = two_peaks if device.mixed else None
     held: dict[str, list[float]] = {}
+    worst: dict[str, dict[str, float]] = {}  # each share's worst window, to see by how much
     best = 0.0
     for share in shares:
         for wait in (0.0, 5.0):
@@ -125,10 +126,12 @@ def capacity(url: str, target_ms: float, seed: int, log_dir: Path,
             goal = Goal("sweep", [Phase(10.0, share * saturated)], lengths=lengths)
             row = run_config(url, name, {**device.base, "max_wait_ms": wait}, goal, seed,
                              target_ms, log_dir, device=device)
+            worst.setdefault(name, {})[f"{share:g}"] = max(row["windows_p99_ms"])
             if max(row["windows_p99_ms"]) <= target_ms:
                 held.setdefault(name, []).append(share)
                 best = max(best, share * saturated)
-    return best, {"saturated_per_s": round(saturated, 1), "shares_held": held}
+    return best, {"saturated_per_s": round(saturated, 1), "shares_held": held,
+                  "worst_window_p99_ms": worst}
 
 
 def positive_int(text: str) -> int:
@@ -139,6 +142,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0 (a rate, in requests/s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {value:g}")
     return value
 
 
@@ -161,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--phase-s", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
-    parser.add_argument("--capacity", type=float, default=None,
+    parser.add_argument("--capacity", type=positive_float, default=None,
                         help="use this C instead of sweeping for it (a check, not a result)")
     parser.add_argument("--shares", type=shares_list, default=SHARES, help="the shares of "
                         "the saturated rate the sweep for C tries, e.g. 0.62,0.64,0.66")
@@ -241,11 +255,15 @@ def main(argv: list[str] | None = None) -> int:
             c = args.capacity
         results["capacity_per_s"] = round(c, 1)
         print("C", round(c, 1), results.get("capacity_sweep"), flush=True)
-        run_goals(args, server.url, log_dir, c, results)
+        if c > 0:
+            run_goals(args, server.url, log_dir, c, results)
+        else:  # every goal's load is a share of C: nothing to run
+            print(f"no share of the saturated rate held p99 <= {args.target_ms:g} ms; "
+                  "try lower --shares", flush=True)
     results["load_average_at_end"] = list(os.getloadavg())
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+    return 0 if c > 0 else 1
 
 
 if __name__ == "__main__":

@@ -222,3 +222,28 @@ def test_instances_below_one_are_refused_with_one_line(capsys) -> None:  # type:
         with pytest.raises(SystemExit):
             parser().parse_args(["--instances", bad])
         assert "--instances" in capsys.readouterr().err
+
+
+def test_a_capacity_of_zero_or_less_is_refused_with_one_line(capsys) -> None:  # type: ignore[no-untyped-def]
+    from bench.latency_bench import parser
+
+    for bad in ("0", "-3", "fast"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--capacity", bad])
+        assert "--capacity" in capsys.readouterr().err
+
+
+def test_a_sweep_that_holds_no_share_runs_no_goal(tmp_path: Path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                  capsys) -> None:
+    """Every goal's load is a share of C, so with C = 0 the benchmark says so and stops,
+    with the sweep in its JSON, instead of sending nothing to every configuration."""
+    import bench.latency_bench as latency_bench
+
+    sweep = {"saturated_per_s": 193.6, "shares_held": {},
+             "worst_window_p99_ms": {"static wait 0 batch 32": {"0.8": 412.0}}}
+    monkeypatch.setattr(latency_bench, "capacity", lambda *args: (0.0, sweep))
+    out = tmp_path / "sweep.json"
+    assert latency_bench.main(["--model", "minilm", "--out", str(out)]) == 1
+    assert "no share of the saturated rate held p99 <= 250 ms" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert results["capacity_sweep"] == sweep and "G1 step load" not in results
