@@ -192,6 +192,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--instances", type=positive_int, default=None, help="model instances per "
                         "worker, for every configuration (default: the device's own, 2 on "
                         "echo and the worker's `auto` on minilm: one per core)")
+    parser.add_argument("--rounds", type=positive_int, default=1, help="run each goal's "
+                        "configurations this many times in turn (A B, A B, ...), so that "
+                        "the report can give each one's median beside the single runs")
     parser.add_argument("--reply-timeout-s", type=float, default=120.0, help="how long "
                         "after the last arrival to wait for replies (the rest: unanswered)")
     return parser
@@ -199,24 +202,36 @@ def parser() -> argparse.ArgumentParser:
 
 def run_goals(args: argparse.Namespace, url: str, log_dir: Path, c: float,
               results: dict[str, Any]) -> None:
-    """Every chosen configuration through every chosen goal; the JSON written after each,
-    should a run stop."""
+    """Every chosen configuration through every chosen goal, `--rounds` times in turn (the
+    first round's rows are the goal's, the later ones under `later_rounds`)."""
     device = chosen_device(args)
     for goal in goals(c, args.phase_s, args.goals.split(","), args.g5_capacity, device):
         chosen = {name: settings for name, settings in configs(args.target_ms, goal.shed,
                                                                device.base).items()
                   if args.only is None or name in args.only}
         results.setdefault("goal_settings", {})[goal.name] = goal.described(device.base)
-        results[goal.name] = {}
-        for name, settings in chosen.items():
-            print(goal.name, "/", name, flush=True)
-            results[goal.name][name] = run_config(
-                url, name, settings, goal, args.seed, args.target_ms, log_dir,
-                args.reply_timeout_s, 0.25 * c if args.paced_warmup else None, device,
-                args.sample_metrics)
-            if args.out:
-                args.out.write_text(json.dumps(results, indent=1) + "\n")
+        for round_index in range(args.rounds):
+            rows: dict[str, Any] = {}
+            if round_index == 0:
+                results[goal.name] = rows
+            else:
+                results.setdefault("later_rounds", {}).setdefault(goal.name, []).append(rows)
+            run_round(args, url, log_dir, c, goal, chosen, rows, results)
         print(goal.name, json.dumps(results[goal.name], indent=1), flush=True)
+
+
+def run_round(args: argparse.Namespace, url: str, log_dir: Path, c: float, goal: Goal,
+              chosen: dict[str, dict[str, Any]], rows: dict[str, Any],
+              results: dict[str, Any]) -> None:
+    """Each chosen configuration once through the goal's arrivals, into `rows`; the JSON
+    written after each, should a run stop."""
+    for name, settings in chosen.items():
+        print(goal.name, "/", name, flush=True)
+        rows[name] = run_config(url, name, settings, goal, args.seed, args.target_ms, log_dir,
+                                args.reply_timeout_s, 0.25 * c if args.paced_warmup else None,
+                                chosen_device(args), args.sample_metrics)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def chosen_device(args: argparse.Namespace) -> Device:
@@ -245,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                                "target_ms": args.target_ms,
                                "phase_s": args.phase_s,
                                "paced_warmup": args.paced_warmup, "seed": args.seed,
+                               "rounds_per_goal": args.rounds,
                                "load_average_at_start": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
         log_dir = Path(tmp)

@@ -5,6 +5,7 @@ new goals (G2, G4, G5) reads met or missed beside its figure."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -166,6 +167,40 @@ def repeats(results: dict[str, Any], target: float) -> list[str]:
     return out
 
 
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def round_rows(results: dict[str, Any]) -> list[str]:
+    """With `--rounds N`: each configuration's p50 and p99 in every round and their median,
+    and its p50 against the no-wait static's of the same round; G2's bar is read on the
+    median of that (the rounds ran in turn, so a slower spell of the machine falls on both)."""
+    out: list[str] = []
+    for goal, later in results.get("later_rounds", {}).items():
+        rounds = [results[goal], *later]
+        out += [f"{goal}, {len(rounds)} rounds in turn (each configuration once per round):",
+                "", "| configuration | p50 per round (ms) | p99 per round (ms) | median p50 / "
+                "p99 (ms) | p50 / no-wait p50 per round | median ratio |",
+                "|---|---|---|---|---|---|"]
+        out += [round_line(goal, name, [r for r in rounds if name in r]) for name in rounds[0]]
+        out.append("")
+    return out
+
+
+def round_line(goal: str, name: str, rounds: list[dict[str, Any]]) -> str:
+    """One configuration's row of `round_rows`."""
+    p50 = [r[name]["p50_ms"] for r in rounds]
+    p99 = [r[name]["p99_ms"] for r in rounds]
+    ratios = [r[name]["p50_ms"] / r[G2_BASELINE]["p50_ms"] for r in rounds
+              if r.get(G2_BASELINE, {}).get("p50_ms")]
+    ratio = f"{median(ratios):.3f}" if ratios else "n/a"
+    if ratios and goal == "G2 light load":
+        ratio += f", {verdict(median(ratios) <= 1.1)}"
+    return (f"| {name} | {' / '.join(f'{v:g}' for v in p50)} | "
+            f"{' / '.join(f'{v:g}' for v in p99)} | {median(p50):g} / {median(p99):g} | "
+            f"{' / '.join(f'{v:.3f}' for v in ratios) or 'n/a'} | {ratio} |")
+
+
 def joined(windows: list[dict[str, Any]], key: str) -> str:
     return " / ".join(f"{window[key]:g}" for window in windows)
 
@@ -207,7 +242,7 @@ def render(results: dict[str, Any]) -> str:
                 "settings and baselines 2-4 cannot shed, cork refuses at dispatch):", "",
                 *g3_rows(results["G3 overload"], c, target), ""]
     return "\n".join(out + new_goals(results, target) + repeats(results, target)
-                     + dispatch_rows(results))
+                     + round_rows(results) + dispatch_rows(results))
 
 
 if __name__ == "__main__":

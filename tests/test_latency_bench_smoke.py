@@ -247,3 +247,32 @@ def test_a_sweep_that_holds_no_share_runs_no_goal(tmp_path: Path, monkeypatch,  
     assert "no share of the saturated rate held p99 <= 250 ms" in capsys.readouterr().out
     results = json.loads(out.read_text())
     assert results["capacity_sweep"] == sweep and "G1 step load" not in results
+
+
+def test_rounds_give_each_configuration_its_median_and_g2_reads_the_median_ratio() -> None:
+    from bench.latency_bench_report import round_rows
+
+    def rows(redbatch: float, static: float) -> dict[str, Any]:
+        return {"redbatch": {"p50_ms": redbatch, "p99_ms": 2 * redbatch},
+                "static wait 0 batch 32": {"p50_ms": static, "p99_ms": 2 * static}}
+
+    results = {"G2 light load": rows(12.0, 10.0),  # 1.2 x in one round, 1.0 x in two
+               "later_rounds": {"G2 light load": [rows(10.0, 10.0), rows(20.0, 20.0)]}}
+    table = "\n".join(round_rows(results))
+    assert "G2 light load, 3 rounds in turn" in table
+    assert "| redbatch | 12 / 10 / 20 | 24 / 20 / 40 | 12 / 24 | 1.200 / 1.000 / 1.000 | " \
+           "1.000, met |" in table
+    without = {"G1 step load": {"aimd": {"p50_ms": 5.0, "p99_ms": 9.0}},
+               "later_rounds": {"G1 step load": [{"aimd": {"p50_ms": 7.0, "p99_ms": 11.0}}]}}
+    assert "| aimd | 5 / 7 | 9 / 11 | 6 / 10 | n/a | n/a |" in "\n".join(round_rows(without))
+
+
+@pytest.mark.slow
+def test_rounds_run_each_configuration_again_on_real_processes(tmp_path: Path) -> None:
+    results = run_benchmark(tmp_path, "--capacity", "200", "--goals", "G2", "--rounds", "2",
+                            "--only", "static wait 0 batch 32")
+    name = "static wait 0 batch 32"
+    assert results["rounds_per_goal"] == 2
+    [second] = results["later_rounds"]["G2 light load"]
+    assert second[name]["p50_ms"] > 0 and second[name]["unanswered"] == 0
+    assert "| 1.000 / 1.000 | 1.000, met |" in render(results)
