@@ -22,10 +22,10 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -48,6 +48,7 @@ from worker.execution.cores import available_cores
 from worker.streams.server import RedisServer
 
 WARM_BURST = 8  # the burst warm-up: PAYLOADS this many times over, sent at once
+N = TypeVar("N", int, float)
 SHARES = (0.6, 0.7, 0.8, 0.9, 0.95)  # of the saturated rate, where the sweep looks for C
 
 
@@ -126,34 +127,29 @@ def capacity(url: str, target_ms: float, seed: int, log_dir: Path,
             goal = Goal("sweep", [Phase(10.0, share * saturated)], lengths=lengths)
             row = run_config(url, name, {**device.base, "max_wait_ms": wait}, goal, seed,
                              target_ms, log_dir, device=device)
-            worst.setdefault(name, {})[f"{share:g}"] = max(row["windows_p99_ms"])
-            if max(row["windows_p99_ms"]) <= target_ms:
+            worst_ms = worst.setdefault(name, {})[f"{share:g}"] = max(row["windows_p99_ms"])
+            if worst_ms <= target_ms:
                 held.setdefault(name, []).append(share)
                 best = max(best, share * saturated)
     return best, {"saturated_per_s": round(saturated, 1), "shares_held": held,
                   "worst_window_p99_ms": worst}
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def positive(kind: Callable[[str], N], what: str) -> Callable[[str], N]:
+    """An argparse type: a number of `kind` above 0 (for a whole number: at least 1)."""
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, not {value:g}")
+        return value
+    return parse
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a number above 0 (a rate, in requests/s)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, not {value:g}")
-    return value
+positive_int = positive(int, "a whole number")
+positive_float = positive(float, "a number")  # a rate, in requests/s
 
 
 def shares_list(text: str) -> tuple[float, ...]:
@@ -216,12 +212,12 @@ def run_goals(args: argparse.Namespace, url: str, log_dir: Path, c: float,
                 results[goal.name] = rows
             else:
                 results.setdefault("later_rounds", {}).setdefault(goal.name, []).append(rows)
-            run_round(args, url, log_dir, c, goal, chosen, rows, results)
+            run_round(args, url, log_dir, c, device, goal, chosen, rows, results)
         print(goal.name, json.dumps(results[goal.name], indent=1), flush=True)
 
 
-def run_round(args: argparse.Namespace, url: str, log_dir: Path, c: float, goal: Goal,
-              chosen: dict[str, dict[str, Any]], rows: dict[str, Any],
+def run_round(args: argparse.Namespace, url: str, log_dir: Path, c: float, device: Device,
+              goal: Goal, chosen: dict[str, dict[str, Any]], rows: dict[str, Any],
               results: dict[str, Any]) -> None:
     """Each chosen configuration once through the goal's arrivals, into `rows`; the JSON
     written after each, should a run stop."""
@@ -229,7 +225,7 @@ def run_round(args: argparse.Namespace, url: str, log_dir: Path, c: float, goal:
         print(goal.name, "/", name, flush=True)
         rows[name] = run_config(url, name, settings, goal, args.seed, args.target_ms, log_dir,
                                 args.reply_timeout_s, 0.25 * c if args.paced_warmup else None,
-                                chosen_device(args), args.sample_metrics)
+                                device, args.sample_metrics)
         if args.out:
             args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -167,10 +167,6 @@ def repeats(results: dict[str, Any], target: float) -> list[str]:
     return out
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def round_rows(results: dict[str, Any]) -> list[str]:
     """With `--rounds N`: each configuration's p50 and p99 in every round and their median,
     and its p50 against the no-wait static's of the same round; G2's bar is read on the
@@ -193,11 +189,14 @@ def round_line(goal: str, name: str, rounds: list[dict[str, Any]]) -> str:
     p99 = [r[name]["p99_ms"] for r in rounds]
     ratios = [r[name]["p50_ms"] / r[G2_BASELINE]["p50_ms"] for r in rounds
               if r.get(G2_BASELINE, {}).get("p50_ms")]
-    ratio = f"{median(ratios):.3f}" if ratios else "n/a"
-    if ratios and goal == "G2 light load":
-        ratio += f", {verdict(median(ratios) <= 1.1)}"
+    ratio = "n/a"
+    if ratios:
+        middle = statistics.median(ratios)
+        ratio = f"{middle:.3f}" + (f", {verdict(middle <= 1.1)}" if goal == "G2 light load"
+                                   else "")
     return (f"| {name} | {' / '.join(f'{v:g}' for v in p50)} | "
-            f"{' / '.join(f'{v:g}' for v in p99)} | {median(p50):g} / {median(p99):g} | "
+            f"{' / '.join(f'{v:g}' for v in p99)} | "
+            f"{statistics.median(p50):g} / {statistics.median(p99):g} | "
             f"{' / '.join(f'{v:.3f}' for v in ratios) or 'n/a'} | {ratio} |")
 
 
