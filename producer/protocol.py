@@ -171,14 +171,18 @@ class Request:
 
 
 class InvalidEntry(Exception):
-    """A malformed entry. `request_id`/`reply_to` are set when it can still be answered."""
+    """A malformed entry. `request_id`/`reply_to` are set when it can still be answered;
+    `payload` when it is there and within the size limit (a generative model reads its
+    `stream` key to know where the error goes)."""
 
     def __init__(self, message: str, request_id: str | None = None,
-                 reply_to: str | None = None, content_type: str = JSON) -> None:
+                 reply_to: str | None = None, content_type: str = JSON,
+                 payload: bytes | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.reply_to = reply_to
         self.content_type = content_type
+        self.payload = payload
 
     @property
     def answerable(self) -> bool:
@@ -250,8 +254,10 @@ def _checked(request_id: str, reply_to: str, content_type: str, payload: bytes |
     """The rest of parse_entry: each problem is answered in the request's content type."""
 
     def invalid(message: str) -> InvalidEntry:
-        reply_content_type = content_type if content_type in CONTENT_TYPES else JSON
-        return InvalidEntry(message, request_id, reply_to, reply_content_type)
+        known = content_type in CONTENT_TYPES
+        readable = payload if known and payload and len(payload) <= max_payload_bytes else None
+        return InvalidEntry(message, request_id, reply_to, content_type if known else JSON,
+                            readable)
 
     if content_type not in CONTENT_TYPES:
         raise invalid(f"unknown content_type {content_type!r}; use one of {list(CONTENT_TYPES)}")

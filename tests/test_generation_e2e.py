@@ -142,6 +142,8 @@ BAD_INPUTS = [
     ({"prompt": "hi", "seed": "x"}, "'seed' must be an integer"),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
     ({"prompt": "the quick brown fox " * 40}, "the context window of this model is 128"),
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "not both"),
+    ({"prompt": "hi", "stream": 1}, "'stream' must be true or false"),
 ]
 
 
@@ -161,6 +163,44 @@ def test_bad_input_is_answered_invalid_request_and_the_worker_keeps_serving(
     assert read_stream(r, stream_key(undecodable))[0][1]["error"]["code"] == "invalid_request"
     good = send(r, {"prompt": "hello", "max_new_tokens": 3})
     assert read_stream(r, stream_key(good))[-1][1]["ok"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"deadline_ms": "soon"}, "'deadline_ms' must be an integer"),
+    ({"priority": "high"}, "'priority' must be an integer"),
+    ({"content_type": "text/plain"}, "unknown content_type"),
+])
+def test_a_bad_entry_field_is_answered_on_the_reply_stream(
+        tiny_worker: Any, r: redis.Redis, fields: dict[str, str], message: str) -> None:
+    """The reader of a streamed request waits on its stream, not on the list key (and one
+    that asked for no stream, in a payload that can be read, on the list key)."""
+    request_id = uuid.uuid4().hex
+    r.xadd(STREAM, {"id": request_id, "content_type": protocol.JSON,
+                    "payload": json.dumps({"prompt": "hi"}), **fields})
+    [(entry_id, done)] = read_stream(r, stream_key(request_id))
+    assert entry_id == "1-1" and done["error"]["code"] == "invalid_request"
+    assert message in done["error"]["message"]
+    if "content_type" in fields:
+        return  # an unknown content type: the payload cannot be read, so it streams
+    plain = uuid.uuid4().hex
+    r.xadd(STREAM, {"id": plain, "content_type": protocol.JSON,
+                    "payload": json.dumps({"prompt": "hi", "stream": False}), **fields})
+    assert message in list_reply(r, plain)["error"]["message"]
+
+
+def test_null_means_the_default_and_a_tiny_temperature_samples(
+        tiny_worker: Any, r: redis.Redis) -> None:
+    """A temperature of 1e-300 is a valid number: it must sample (all but greedily) and
+    not overflow, which would fail every generation sharing its step."""
+    beside = send(r, {"prompt": "the quick brown fox", "max_new_tokens": 8})
+    tiny = send(r, {"prompt": "hi", "temperature": 1e-300, "max_new_tokens": 3, "seed": 1})
+    nulls = send(r, {"prompt": "hi", "max_new_tokens": None, "temperature": None,
+                     "top_p": None, "top_k": None, "seed": None, "stop": None,
+                     "stream": None})
+    assert read_stream(r, stream_key(beside))[-1][1]["result"]["tokens"] == 8
+    assert read_stream(r, stream_key(tiny))[-1][1]["result"]["tokens"] <= 3
+    done = read_stream(r, stream_key(nulls))[-1][1]
+    assert done["ok"] and done["result"]["tokens"] <= 16, done  # max_new_tokens 16
 
 
 def test_concurrent_requests_share_decoding_steps(tiny_worker: Any, r: redis.Redis,

@@ -37,7 +37,10 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, index: int,
     """The next token from one row of logits (vocab,)."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    scores = logits.float().cpu() / params.temperature
+    scores = logits.double().cpu()  # float64: a temperature of 1e-300 is not rounded to 0
+    # Shifted so the best score is 0 before the division: softmax is unchanged, and however
+    # small the temperature, no score overflows to inf (inf - inf would be NaN).
+    scores = (scores - scores.max()) / params.temperature
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

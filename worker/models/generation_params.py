@@ -4,7 +4,7 @@ InvalidInput (answered `invalid_request`), never a failure of the worker.
     {"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}
     max_new_tokens (int, 1..max_new_tokens_limit), temperature (>= 0; 0 = greedy),
     top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings),
-    stream (bool, default true)
+    stream (bool, default true); a key set to null counts as left out
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def prompt_of(payload: Any) -> str | list[dict[str, str]]:
     """The prompt string or the chat messages, checked for shape."""
     if not isinstance(payload, dict):
         raise InvalidInput(SHAPE)
+    if "prompt" in payload and "messages" in payload:
+        raise InvalidInput("give 'prompt' or 'messages', not both")
     if "prompt" in payload:
         if not isinstance(payload["prompt"], str):
             raise InvalidInput("'prompt' must be a string")
@@ -49,27 +51,33 @@ def prompt_of(payload: Any) -> str | list[dict[str, str]]:
 
 def wants_stream(payload: Any) -> bool:
     """`stream` (default true); also decides where an error about the payload goes."""
-    if not isinstance(payload, dict) or "stream" not in payload:
+    if not isinstance(payload, dict):
         return True
-    return payload["stream"] is not False
+    return payload.get("stream") is not False
+
+
+def _given(payload: dict[str, Any], name: str, default: Any) -> Any:
+    """The value of an optional key; null, as in many clients' JSON, means left out."""
+    value = payload.get(name)
+    return default if value is None else value
 
 
 def _integer(payload: dict[str, Any], name: str, default: int | None) -> int | None:
-    value = payload.get(name, default)
+    value = _given(payload, name, default)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise InvalidInput(f"'{name}' must be an integer, got {value!r}")
     return value
 
 
 def _number(payload: dict[str, Any], name: str, default: float) -> float:
-    value = payload.get(name, default)
+    value = _given(payload, name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise InvalidInput(f"'{name}' must be a number, got {value!r}")
     return float(value)
 
 
 def _stops(payload: dict[str, Any]) -> tuple[str, ...]:
-    stop = payload.get("stop", ())
+    stop = _given(payload, "stop", ())
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
         raise InvalidInput("'stop' must be a non-empty string or a list of them")
@@ -99,7 +107,7 @@ def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
         raise InvalidInput(f"'top_p' must be in (0, 1], got {top_p}")
     if top_k is None or top_k < 0:
         raise InvalidInput(f"'top_k' must be an integer >= 0, got {top_k}")
-    if "stream" in payload and not isinstance(payload["stream"], bool):
+    if not isinstance(_given(payload, "stream", True), bool):
         raise InvalidInput(f"'stream' must be true or false, got {payload['stream']!r}")
     return SamplingParams(min(max_new, context - prompt_len), temperature, top_p, top_k,
                           seed, _stops(payload))

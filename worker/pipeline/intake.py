@@ -151,10 +151,15 @@ class Intake:
             log.warning("entry.unanswerable", entry_id=entry_id, reason=str(exc))
             return
         assert exc.request_id is not None and exc.reply_to is not None
-        admission.bad.append(Answer(entry_id, exc.reply_to, exc.content_type,
-                                    protocol.error_envelope(exc.request_id,
-                                                            ErrorCode.INVALID_REQUEST, str(exc)),
-                                    entry_time_ms(entry_id)))
+        answer = Answer(entry_id, exc.reply_to, exc.content_type,
+                        protocol.error_envelope(exc.request_id, ErrorCode.INVALID_REQUEST,
+                                                str(exc)), entry_time_ms(entry_id))
+        if self.model.generative:  # on its reply stream, where its reader waits
+            request = Request(exc.request_id, exc.payload or b"", exc.content_type,
+                              exc.reply_to)
+            answer = routed_error(answer, request, self.config.namespace,
+                                  self.model.answers_on_stream(_decoded(request)))
+        admission.bad.append(answer)
 
     def prepare(self, entry_id: str, request: Request, now: float,
                 now_ms: int) -> Pending | Answer:
