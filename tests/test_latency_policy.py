@@ -7,7 +7,13 @@ import random
 
 import pytest
 
-from worker.policy.latency import ArrivalRate, LatencyPolicy, Member, SafetyMargin
+from worker.policy.latency import (
+    LATENCY_WINDOW_MS,
+    ArrivalRate,
+    LatencyPolicy,
+    Member,
+    SafetyMargin,
+)
 from worker.policy.service_time import CostFit, ServiceTimeModel, WindowQuantile
 
 NOW = 1_700_000_000_000
@@ -174,6 +180,32 @@ def test_the_margin_rises_fast_over_the_target_and_falls_slowly_under_it() -> No
     margin.observed = WindowQuantile(0.99, 100)
     margin.observe(NOW + 900, [40.0] * 100)
     assert margin.ms == pytest.approx(19.0)
+
+
+def test_a_margin_raised_by_a_burst_cannot_shed_every_request_for_good() -> None:
+    """While shedding refuses everything nothing is answered, so nothing new is observed:
+    the answers of the burst leave the window after LATENCY_WINDOW_MS, and the margin
+    goes with them. (A fixed cost of 50 ms: with the margin at its cap, no request fits.)"""
+    policy = trained(fixed=50.0, shed=True)
+    for step in range(20):
+        policy.answered(NOW + 300 * step, [1700.0] * 50)
+    assert policy.margin.ms == pytest.approx(60.0)
+    last = NOW + 300 * 19
+    assert not policy.admit(Member(last, None, 1), 0, last, queued_ms=0.0).admit
+    later = last + LATENCY_WINDOW_MS - 300
+    assert not policy.admit(Member(later, None, 1), 0, later, queued_ms=0.0).admit
+    after = last + LATENCY_WINDOW_MS + 300
+    assert policy.admit(Member(after, None, 1), 0, after, queued_ms=0.0).admit
+    assert policy.margin.ms == 0.0
+
+
+def test_old_answers_leave_the_observed_window() -> None:
+    margin = SafetyMargin(target_ms=100.0, percentile=0.99)
+    margin.observe(NOW, [500.0] * 10)
+    margin.observe(NOW + 5000, [50.0] * 10)
+    assert margin.observed.value(0.0) == 500.0
+    margin.update(NOW + LATENCY_WINDOW_MS + 300)
+    assert margin.observed.value(0.0) == 50.0
 
 
 def test_the_margin_is_capped() -> None:

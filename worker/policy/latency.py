@@ -6,10 +6,11 @@ largest batch whose predicted completion (service_time.py, at the target percent
 the earliest deadline among its members, less a safety margin. It waits only while waiting
 raises throughput (the next arrival is expected sooner than the batch's fixed cost per
 member: rate × fixed > n) and the slack stays positive. The margin follows the observed
-percentile of end-to-end latency: up fast when over the target, down slowly when well
-under; while it is over, no batch is cut (throughput is what brings latency back). A
-request predicted to miss its own deadline is answered at once; with `shed_over_target`, so
-is one predicted to miss the target.
+percentile of end-to-end latency (the answers of the last 10 s): up fast when over the
+target, down slowly when well under, and back to 0 when nothing was answered for 10 s;
+while it is over, no batch is cut (throughput is what brings latency back). A request
+predicted to miss its own deadline is answered at once; with `shed_over_target`, so is one
+predicted to miss the target.
 
 Pure: times in Unix milliseconds are passed in; the worker and the simulator both drive it.
 """
@@ -27,7 +28,8 @@ MARGIN_DOWN = 0.01  # of the target, per update while it is under MARGIN_CALM x 
 MARGIN_CALM = 0.8
 MARGIN_MAX = 0.6  # of the target: beyond this the target itself is out of reach
 MARGIN_UPDATE_MS = 250.0
-LATENCY_WINDOW = 1000  # answers in the observed percentile's window
+LATENCY_WINDOW = 1000  # answers in the observed percentile's window, at most
+LATENCY_WINDOW_MS = 10_000.0  # and none older than this
 RATE_HALF_LIFE_MS = 1000.0
 STALE_SENT_MS = 10_000.0  # a batch sent and never started (its members all expired) is dropped
 
@@ -106,10 +108,21 @@ class SafetyMargin:
 
     def observe(self, now_ms: float, latencies_ms: Sequence[float]) -> None:
         for latency in latencies_ms:
-            self.observed.add(latency)
-        if now_ms - self._updated_ms < MARGIN_UPDATE_MS or not self.observed.values:
+            self.observed.add(latency, now_ms)
+        self.update(now_ms)
+
+    def update(self, now_ms: float) -> None:
+        """Steer the margin (at most once per MARGIN_UPDATE_MS). Answers older than
+        LATENCY_WINDOW_MS leave the window, and with none left there is nothing to keep
+        a margin for: so one raised by a burst cannot refuse every request for good, as
+        it would while shedding, when nothing served means nothing new observed."""
+        if now_ms - self._updated_ms < MARGIN_UPDATE_MS:
             return
         self._updated_ms = now_ms
+        self.observed.expire(now_ms - LATENCY_WINDOW_MS)
+        if not self.observed.values:
+            self.ms = 0.0
+            return
         observed = self.observed.value(0.0)
         if observed > self.target_ms:
             self.ms = min(MARGIN_MAX * self.target_ms, self.ms + MARGIN_UP * self.target_ms)
@@ -216,6 +229,7 @@ class LatencyPolicy:
         """Answer at once a request that cannot make its deadline (or the target, less the
         margin, when shedding). `queued_ms`: predicted compute of everything queued ahead;
         `batch_size`: of the batch it is expected to join."""
+        self.margin.update(now_ms)  # time passes even when nothing is answered
         free_in = self.free_in_ms(now_ms)
         ahead = queued_ms / len(self.busy_until_ms)
         delay = free_in + ahead + self.model.predict_ms(bucket, batch_size, member.length)

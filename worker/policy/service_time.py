@@ -52,18 +52,29 @@ class CostFit:
 
 @dataclass(slots=True)
 class WindowQuantile:
-    """The q-quantile of the last `size` values (nearest rank)."""
+    """The q-quantile of the last `size` values (nearest rank); with `expire`, only of those
+    added since a given time."""
 
     q: float
     size: int = RATIO_WINDOW
     values: deque[float] = field(default_factory=deque)
+    times: deque[float] = field(default_factory=deque)  # when each value was added
     _cached: float | None = None  # sorted once per change, not once per question
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, at_ms: float = 0.0) -> None:
         self.values.append(value)
+        self.times.append(at_ms)
         if len(self.values) > self.size:
             self.values.popleft()
+            self.times.popleft()
         self._cached = None
+
+    def expire(self, before_ms: float) -> None:
+        """Forget the values added before `before_ms`."""
+        while self.times and self.times[0] < before_ms:
+            self.values.popleft()
+            self.times.popleft()
+            self._cached = None
 
     def value(self, default: float) -> float:
         if not self.values:
