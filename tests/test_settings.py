@@ -89,7 +89,7 @@ def test_plugin_models_are_named_by_their_class() -> None:
     ({"bucket_boundaries": [32, 16]}, "strictly increasing"),
     ({"metrics_port": "70000"}, "invalid setting 'metrics_port'"),
     ({"log_level": "loud"}, "invalid setting 'log_level'"),
-    ({"no_such_setting": "1"}, "invalid setting 'no_such_setting'"),
+    ({"no_such_setting": "1"}, "unknown setting 'no_such_setting'"),
 ])
 def test_invalid_settings_name_the_setting(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(SettingsError) as caught:
@@ -139,7 +139,7 @@ def test_a_missing_config_file(tmp_path: Path) -> None:
 
 
 def test_a_broken_config_file(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match="could not read settings"):
+    with pytest.raises(SettingsError, match="worker.toml is not valid TOML: "):
         load_settings(write_config(tmp_path, "max_batch_size = [unclosed\n"))
 
 
@@ -154,3 +154,24 @@ def test_shipped_configs_load_and_build_their_model(name: str) -> None:
     assert settings.model == name and settings.model_name == name
     assert settings.bucket_boundaries  # the config states its buckets explicitly
     create_model(settings.model, settings.model_options)  # every option is a real one
+
+
+def test_a_higher_layer_replaces_model_options_whole(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each setting comes whole from the highest layer that sets it: a dictionary is not
+    merged key by key with the one below (pydantic-settings' own behaviour)."""
+    config = tmp_path / "worker.toml"
+    config.write_text('model = "minilm"\n[model_options]\nmax_seq_length = 128\n')
+    assert load_settings(config).model_options == {"max_seq_length": 128}
+    assert load_settings(config, model_options={}).model_options == {}
+    monkeypatch.setenv("REDBATCH_MODEL_OPTIONS", '{"a": 1}')
+    assert load_settings(config).model_options == {"a": 1}
+    assert load_settings(config, model_options={"b": 2}).model_options == {"b": 2}
+
+
+def test_a_rule_across_settings_does_not_print_them_with_their_secrets() -> None:
+    with pytest.raises(SettingsError) as raised:
+        load_settings(redis_url="redis://:hunter2@127.0.0.1:6379/0",
+                      memory_low_watermark=0.95, memory_high_watermark=0.9)
+    assert "hunter2" not in str(raised.value)
+    assert "memory_low_watermark must be below" in str(raised.value)

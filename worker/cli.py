@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,8 @@ from worker.observe.log import configure_logging
 from worker.settings import Settings, SettingsError, load_settings
 
 COMMANDS = ("run", "demo", "dead-letters", "calibrate", "stats")
+USAGE = "%(prog)s [--flag value ...] (--help lists them)"  # not all 50 settings' flags
+ENTRY_ID = re.compile(r"\d+-\d+")
 
 
 def _is_structured(annotation: Any) -> bool:
@@ -43,42 +48,68 @@ def setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse type: a number above 0, or one line saying what is wrong."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    return parse
+
+
+def entry_id(text: str) -> str:
+    """An argparse type: a stream entry id, <ms>-<seq>."""
+    if not ENTRY_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a stream entry id (<ms>-<seq>, e.g. 1733140000000-0)")
+    return text
+
+
+def add_command(commands: Any, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand that takes every setting as a flag."""
+    parser: argparse.ArgumentParser = commands.add_parser(name, usage=USAGE, help=help)
+    add_setting_flags(parser)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker",
                                      description="redbatch worker: batch inference from Redis")
     commands = parser.add_subparsers(dest="command")
-    run = commands.add_parser("run", help="serve requests (the default)")
-    add_setting_flags(run)
-    demo = commands.add_parser("demo", help="embedded Redis + a worker + sample sentences")
-    add_setting_flags(demo)
+    add_command(commands, "run", "serve requests (the default)")
+    demo = add_command(commands, "demo", "embedded Redis + a worker + sample sentences")
     demo.add_argument("--sentences", type=Path, default=None, help="one text per line (a "
                       "generative --model: one question per line, instead of its own)")
-    demo.add_argument("--count", type=int, default=300,
+    demo.add_argument("--count", type=positive(int), default=300,
                       help="how many texts to embed (or questions to answer)")
-    demo.add_argument("--max-new-tokens", type=int, default=48,
+    demo.add_argument("--max-new-tokens", type=positive(int), default=48,
                       help="a generative --model (smollm2): the length of each answer")
-    dead = commands.add_parser("dead-letters", help="list dead letters, or requeue them")
-    add_setting_flags(dead)
-    dead.add_argument("--limit", type=int, default=100, help="how many to list (oldest first)")
+    dead = add_command(commands, "dead-letters", "list dead letters, or requeue them")
+    dead.add_argument("--limit", type=positive(int), default=100,
+                      help="how many to list (oldest first)")
     dead.add_argument("--requeue", nargs="+", metavar="DEAD_LETTER_ID", default=[],
+                      type=entry_id,
                       help="put these back on the request stream")
     dead.add_argument("--requeue-all", action="store_true", help="requeue every one listed")
-    calibrate = commands.add_parser("calibrate", help="time each bucket at growing batch sizes "
+    calibrate = add_command(commands, "calibrate", "time each bucket at growing batch sizes "
                                     "and write the best sizes for `run` to load")
-    add_setting_flags(calibrate)
-    calibrate.add_argument("--repeats", type=int, default=3, help="timed runs per batch size")
+    calibrate.add_argument("--repeats", type=positive(int), default=3,
+                           help="timed runs per batch size")
     add_stats_parser(commands)
     return parser
 
 
 def add_stats_parser(commands: Any) -> None:
-    stats = commands.add_parser("stats", help="queue, consumers and throughput per model")
-    add_setting_flags(stats)
+    stats = add_command(commands, "stats", "queue, consumers and throughput per model")
     stats.add_argument("--models", nargs="+", default=None, help="only these (default: all)")
-    stats.add_argument("--watch", type=float, nargs="?", const=2.0, default=None,
+    stats.add_argument("--watch", type=positive(float), nargs="?", const=2.0, default=None,
                        metavar="SECONDS", help="refresh every SECONDS (default 2)")
     stats.add_argument("--json", action="store_true", help="JSON (one line per reading)")
-    stats.add_argument("--interval", type=float, default=1.0,
+    stats.add_argument("--interval", type=positive(float), default=1.0,
                        help="seconds between the two readings that give the throughput")
 
 
@@ -95,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stats":  # reads Redis only: no torch to import
         from worker.commands.stats import run_stats
 
-        return run_stats(settings, args.models, args.watch, args.json, args.interval)
+        try:
+            return run_stats(settings, args.models, args.watch, args.json, args.interval)
+        except BrokenPipeError:  # `stats --watch --json | head`: the reader has had enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
     from worker.app import StartupError  # torch: valid settings only
 
     try:

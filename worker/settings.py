@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -179,7 +181,26 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+        return (init_settings, WholeEnv(settings_cls), WholeToml(settings_cls))
+
+
+# pydantic-settings merges dictionaries key by key across its sources, so a flag
+# `--model-options '{}'` would not clear a TOML file's options (those of another model would
+# then be refused). These sources leave out what a higher layer set: each setting comes
+# whole from the highest layer that sets it.
+
+def _not_set_above(source: PydanticBaseSettingsSource, values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if k not in source.current_state}
+
+
+class WholeEnv(EnvSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return _not_set_above(self, super().__call__())
+
+
+class WholeToml(TomlConfigSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return _not_set_above(self, super().__call__())
 
 
 class SettingsError(Exception):
@@ -190,6 +211,11 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
     """Build settings from the layers; `overrides` are the command-line flags."""
     if config is not None and not config.is_file():
         raise SettingsError(f"config file not found: {config}")
+    if config is not None:
+        try:
+            tomllib.loads(config.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise SettingsError(f"config file {config} is not valid TOML: {exc}") from None
 
     class FromFile(Settings):
         model_config = SettingsConfigDict(toml_file=config)
@@ -205,7 +231,12 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
 def describe_validation_error(exc: ValidationError) -> str:
     lines = []
     for error in exc.errors():
-        name = ".".join(str(part) for part in error["loc"]) or "settings"
-        hint = f" (env REDBATCH_{name.upper()})" if error["loc"] else ""
-        lines.append(f"invalid setting '{name}'{hint}: {error['msg']}; got {error.get('input')!r}")
+        name = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            lines.append(f"unknown setting '{name}' (python -m worker run --help lists them)")
+        elif not error["loc"]:  # a rule across settings: its input is all of them, secrets too
+            lines.append(f"invalid settings: {error['msg']}")
+        else:
+            lines.append(f"invalid setting '{name}' (env REDBATCH_{name.upper()}): "
+                         f"{error['msg']}; got {error.get('input')!r}")
     return "\n".join(lines)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from worker.app import StartupError, load_model
 from worker.execution.calibration import (
     CalibrationError,
@@ -16,6 +19,7 @@ from worker.settings import Settings
 
 def run_calibration(settings: Settings, repeats: int) -> int:
     """`python -m worker calibrate`: measure each bucket, write the file `run` will load."""
+    writable_directory(settings.calibration_dir)  # before minutes of measuring, not after
     model, device = load_model(settings)
     boundaries = settings.bucket_boundaries
     if boundaries is None:
@@ -37,3 +41,14 @@ def run_calibration(settings: Settings, repeats: int) -> int:
         print(f"{b.max_length:>10} {b.batch_size:>10} {b.stopped:>13}  {curve}")
     print(f"wrote {path}")
     return 0
+
+
+def writable_directory(directory: Path) -> None:
+    """Create `directory` if need be; refuse with one line when it cannot take a file."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise StartupError(f"calibration_dir {str(directory)!r} cannot take the calibration "
+                           f"file: {exc.strerror or exc}") from None
