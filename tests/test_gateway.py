@@ -4,6 +4,7 @@ Raw HTTP cases (bad bodies, error statuses) go through httpx."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import pytest
 import redis
 import uvicorn
 
-from producer import Client
+from producer import Client, connection
 from producer.gateway.app import create_app
 from producer.gateway.openai_shapes import decode_base64_embedding
 from producer.gateway.serve import server_options
@@ -200,6 +201,44 @@ def test_echo_is_not_an_embedding_model(worker_factory: Any, gateway_factory: An
     with worker_factory(model="echo"), gateway_factory() as base_url:
         assert_openai_error(post(base_url, {"model": "echo", "input": "x"}), 500,
                             "not_an_embedding_model")
+
+
+def test_a_generation_route_on_a_batch_model_is_400_at_once(worker_factory: Any,
+                                                            gateway_factory: Any) -> None:
+    """The workers announce their kind: no request is queued for a reply nobody reads."""
+    with worker_factory(model="echo"), gateway_factory() as base_url:
+        for stream in (True, False):
+            started = time.monotonic()
+            response = httpx.post(f"{base_url}/v1/completions", json={
+                "model": "echo", "prompt": "hi", "max_tokens": 4, "stream": stream}, timeout=30)
+            error = assert_openai_error(response, 400, "wrong_model_kind")
+            assert "use /v1/embeddings" in error["message"] and error["param"] == "model"
+            assert time.monotonic() - started < 5
+
+
+def test_a_worker_that_reads_nothing_is_still_live(r: redis.Redis, redis_url: str) -> None:
+    """Before Redis 7.2, XINFO CONSUMERS' idle grows while a consumer's reads deliver
+    nothing; the `seen_ms` a worker announces every maintenance round keeps it live."""
+    from producer.gateway.discovery import Discovery, ModelState
+
+    stream = "redbatch:requests:quiet"
+    r.xgroup_create(stream, "workers", id="0", mkstream=True)
+    r.xreadgroup("workers", "w1", {stream: ">"}, count=1, block=10)  # the consumer exists
+    time.sleep(0.2)
+
+    async def state() -> ModelState:
+        client = connection.async_client(redis_url)
+        try:
+            return (await Discovery(client, "redbatch", "workers", 0.1, 0.0).info("quiet")).state
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(state()) is ModelState.NO_WORKER
+    now_ms = int(time.time() * 1000)
+    r.hset("redbatch:workers:quiet", "w1", json.dumps({"seen_ms": now_ms, "generative": False}))
+    assert asyncio.run(state()) is ModelState.LIVE
+    r.hset("redbatch:workers:quiet", "w1", json.dumps({"seen_ms": now_ms - 1000}))
+    assert asyncio.run(state()) is ModelState.NO_WORKER
 
 
 def test_api_keys(worker_factory: Any, gateway_factory: Any) -> None:

@@ -115,6 +115,13 @@ def test_bad_fields_are_400(served: str, route: str, body: dict[str, Any],
     assert streamed["param"] == param
 
 
+def test_embeddings_on_a_generative_model_are_400_at_once(served: str) -> None:
+    response = httpx.post(f"{served}/v1/embeddings", json={"model": MODEL, "input": "hi"},
+                          timeout=30)
+    error = assert_openai_error(response, 400, "wrong_model_kind")
+    assert "is a generative model: use /v1/chat/completions" in error["message"]
+
+
 def test_unknown_model_is_404(served: str) -> None:
     assert_openai_error(post(served, "completions", {"model": "nope", "prompt": "x"}), 404,
                         "model_not_found")

@@ -65,6 +65,11 @@ CHAT_ERRORS = [
     ({"model": "lm"}, "messages", "invalid_request"),
     ({"model": "lm", "messages": []}, "messages", "invalid_request"),
     ({"model": "lm", "messages": [{"content": "x"}]}, "messages", "invalid_request"),
+    ({"model": "lm", "messages": [{"role": "foo", "content": "x"}]}, "messages",
+     "invalid_request"),
+    ({"model": "lm", "messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty",
+     "unsupported_parameter"),
+    ({"model": "lm", "messages": MESSAGES, "echo": True}, "echo", "unsupported_parameter"),
     ({"model": "lm", "messages": [{"role": "user", "content": 3}]}, "messages",
      "invalid_request"),
     ({"model": "lm", "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
@@ -85,6 +90,17 @@ CHAT_ERRORS = [
     ({"model": "lm", "messages": MESSAGES, "user": 5}, "user", "invalid_request"),
     ([1], None, "invalid_request"),
 ]
+
+
+def test_null_and_neutral_values_of_unsupported_fields_are_accepted() -> None:
+    """Clients that send every field, at its default or null, still work."""
+    body = {"model": "lm", "messages": [{"role": "developer", "content": "be brief"},
+                                        *MESSAGES],
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
+            "echo": None, "tools": None, "logit_bias": None}
+    parsed = parse_chat_request(body)
+    assert parsed.payload["messages"][0] == {"role": "system", "content": "be brief"}
+    assert "presence_penalty" not in parsed.payload
 
 
 @pytest.mark.parametrize("body, param, code", CHAT_ERRORS)
@@ -169,3 +185,15 @@ def test_worker_errors_name_the_input_field() -> None:
                                                  "message": "bad"}}, "messages")
     assert (error.status, error.code, error.param) == (400, "invalid_request", "messages")
     assert worker_error({"ok": False, "error": {"code": "model_error"}}, "prompt").status == 500
+
+
+def test_worker_refusals_name_max_tokens_and_a_long_prompt_as_openai_does() -> None:
+    too_many = worker_error({"ok": False, "error": {
+        "code": "invalid_request", "message": "'max_new_tokens' must be between 1 and 1024 "
+        "(max_new_tokens_limit), got 5000"}}, "messages")
+    assert (too_many.status, too_many.param, too_many.code) == (400, "max_tokens",
+                                                                "invalid_request")
+    too_long = worker_error({"ok": False, "error": {
+        "code": "invalid_request", "message": "prompt is 9001 tokens; the context window of "
+        "this model is 8192 tokens (prompt and answer together)"}}, "prompt")
+    assert (too_long.param, too_long.code) == ("prompt", "context_length_exceeded")

@@ -37,9 +37,9 @@ def refused(body: object, max_inputs: int = 10) -> ApiError:
 def test_a_string_or_list_of_strings() -> None:
     one = parse_embedding_request({"model": "m", "input": "hi", "user": "u"}, 10)
     assert one == EmbeddingRequest("m", ["hi"], "float", None)
-    many = parse_embedding_request({"model": "m", "input": ["a", ""], "encoding_format":
+    many = parse_embedding_request({"model": "m", "input": ["a", "b"], "encoding_format":
                                     "base64", "dimensions": 384}, 10)
-    assert many == EmbeddingRequest("m", ["a", ""], "base64", 384)
+    assert many == EmbeddingRequest("m", ["a", "b"], "base64", 384)
     assert parse_embedding_request({"model": "m", "input": "x", "encoding_format": None},
                                    1).encoding_format == "float"
 
@@ -62,6 +62,8 @@ def test_token_ids_are_refused(value: object) -> None:
     ({"model": "m", "input": "x", "encoding_format": "float16"}, "encoding_format"),
     ({"model": "m", "input": "x", "user": 5}, "user"),
     ({"model": "m", "input": "x", "extra": 5}, "extra"),
+    ({"model": "m", "input": ""}, "input"),
+    ({"model": "m", "input": ["a", ""]}, "input"),
     ("text", None),
 ])
 def test_bad_fields_name_their_param(body: object, param: str | None) -> None:

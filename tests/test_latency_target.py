@@ -51,7 +51,10 @@ def test_a_load_step_holds_the_target(redis_url: str, r: redis.Redis,
     assert metric("redbatch_latency_target_seconds", model="echo") == TARGET_MS / 1000
     # the fit learnt the echo cost model: about 10 ms per batch, 1 ms per (padded) request
     # (a sleep never returns early; the upper bound leaves room for a busy host's late ones)
-    assert 0.004 < metric("redbatch_service_cost_seconds", model="echo", term="fixed") < 0.05
+    fixed = [s.value for m in REGISTRY.collect() if m.name == "redbatch_service_cost_seconds"
+             for s in m.samples if s.labels.get("model") == "echo"
+             and s.labels["term"] == "fixed"]  # one per bucket that ran batches
+    assert any(0.004 < cost < 0.05 for cost in fixed)
     assert metric("redbatch_latency_observed_seconds", model="echo") > 0
 
 

@@ -158,7 +158,7 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     memory = memory_probe(executor.device, settings.memory_limit_bytes)
     executors = [executor] + [executor.another() for _ in range(layout.instances - 1)]
     parts = Parts(
-        **redis_parts(settings, client, describe_worker(settings, layout, executor.device,
+        **redis_parts(settings, client, describe_worker(settings, layout, model, executor.device,
                                                           targeted, lock)),
         batcher=Batcher(boundaries, batch_limits, caps=caps,
                         targeted=dispatch_rule(settings, targeted)),
@@ -239,13 +239,14 @@ def redis_parts(settings: Settings, client: redis.Redis,
                                 describe, protocol.workers_key(settings.namespace, name)))
 
 
-def describe_worker(settings: Settings, layout: Layout, device: torch.device,
+def describe_worker(settings: Settings, layout: Layout, model: Model, device: torch.device,
                     targeted: TargetedDispatch,
                     lock: threading.Lock) -> Callable[[], dict[str, Any]]:
     """What `stats` shows of this worker: its layout and why, its device, and with a
     latency target the observed percentile and the margin (read under the worker's lock)."""
     static = {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
-              "model": settings.model}
+              "model": settings.model, "generative": model.generative,
+              "started_ms": int(time.time() * 1000)}
     policy = targeted.policy
     if not settings.latency_target_ms:
         return lambda: static

@@ -83,12 +83,16 @@ class Gateway:
             raise errors.invalid(f"the body is not valid JSON: {exc}", None,
                                  "invalid_json") from None
 
-    async def require_live(self, model: str) -> None:
-        state = await self.discovery.state(model)
-        if state is ModelState.UNKNOWN:
+    async def require_live(self, model: str, generative: bool) -> None:
+        """404, 503, or 400 when the model's workers announced the other kind (an
+        embedding route on a generative model, or the reverse)."""
+        info = await self.discovery.info(model)
+        if info.state is ModelState.UNKNOWN:
             raise errors.unknown_model(model)
-        if state is ModelState.NO_WORKER:
+        if info.state is ModelState.NO_WORKER:
             raise errors.no_live_worker(model)
+        if info.generative is not None and info.generative != generative:
+            raise errors.wrong_model_kind(model, info.generative)
 
 
 def body_too_large(limit: int) -> ApiError:
@@ -100,7 +104,7 @@ async def embeddings(request: Request) -> Response:
     gateway.authorize(request)
     parsed = parse_embedding_request(await gateway.json_body(request),
                                      gateway.settings.max_inputs)
-    await gateway.require_live(parsed.model)
+    await gateway.require_live(parsed.model, generative=False)
     metrics.INPUTS.labels(parsed.model).inc(len(parsed.inputs))
     envelopes = await gateway.dispatcher.run(parsed.model, [{"text": t} for t in parsed.inputs])
     for envelope in envelopes:

@@ -1,14 +1,20 @@
-"""Which models exist and which have live workers, read from Redis (XINFO), cached briefly.
+"""Which models exist, which have live workers, and which are generative, read from Redis
+(XINFO and the workers' announcements), cached briefly.
 
 A model exists when its request stream has the workers' consumer group; it is live when some
-consumer of that group was seen within `live_worker_idle_s` (XINFO CONSUMERS `idle`). The
-short cache keeps the per-request cost off the hot path; each process keeps its own, so the
-gateway stays stateless.
+consumer of that group was seen within `live_worker_idle_s`: XINFO CONSUMERS `idle`, or the
+`seen_ms` a worker announces every maintenance interval (`<ns>:workers:<model>`; before
+Redis 7.2, `idle` counts only reads that delivered entries, so an idle worker looks gone).
+The announcements also say whether the model is generative. The short cache keeps the
+per-request cost off the hot path; each process keeps its own, so the gateway stays
+stateless.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -28,6 +34,26 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    state: ModelState
+    generative: bool | None = None  # None: no worker announced it
+    created_s: int | None = None  # when its longest-running worker started
+
+
+def announced(raw: dict[Any, Any]) -> list[dict[str, Any]]:
+    """The workers' announcements (worker/streams/maintenance.py), the unreadable left out."""
+    found = []
+    for text in raw.values():
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            found.append(value)
+    return found
+
+
 class Discovery:
     """Model states per process, each reused for `cache_s` seconds when live."""
 
@@ -38,38 +64,52 @@ class Discovery:
         self.group = group
         self.idle_ms = idle_s * 1000
         self.cache_s = cache_s
-        self._live_until: dict[str, float] = {}
+        self._live: dict[str, tuple[float, ModelInfo]] = {}  # until when, what
 
-    async def state(self, model: str) -> ModelState:
+    async def info(self, model: str) -> ModelInfo:
         """The model's state; a live answer is cached, others are asked again each time."""
-        if self._live_until.get(model, 0.0) > time.monotonic():
-            return ModelState.LIVE
-        state = await self._read_state(protocol.stream_key(self.namespace, model))
-        if state is ModelState.LIVE:
-            self._live_until[model] = time.monotonic() + self.cache_s
-        return state
+        cached = self._live.get(model)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        info = await self._read_info(model)
+        if info.state is ModelState.LIVE:
+            self._live[model] = (time.monotonic() + self.cache_s, info)
+        return info
 
-    async def _read_state(self, stream: str) -> ModelState:
+    async def _read_info(self, model: str) -> ModelInfo:
+        stream = protocol.stream_key(self.namespace, model)
         try:
             groups = await self.redis.xinfo_groups(stream)
         except ResponseError:  # no such key, or not a stream
-            return ModelState.UNKNOWN
+            return ModelInfo(ModelState.UNKNOWN)
         if not any(_text(g["name"]) == self.group for g in groups):
-            return ModelState.UNKNOWN
+            return ModelInfo(ModelState.UNKNOWN)
         consumers = await self.redis.xinfo_consumers(stream, self.group)
-        if any(int(c["idle"]) < self.idle_ms for c in consumers):
-            return ModelState.LIVE
-        return ModelState.NO_WORKER
+        workers = announced(await self.redis.hgetall(protocol.workers_key(self.namespace,
+                                                                          model)))
+        kinds = {w["generative"] for w in workers if isinstance(w.get("generative"), bool)}
+        generative = kinds.pop() if len(kinds) == 1 else None
+        starts = [w["started_ms"] for w in workers if isinstance(w.get("started_ms"), int)]
+        created = min(starts) // 1000 if starts else None
+        seen_since = time.time() * 1000 - self.idle_ms
+        if any(int(c["idle"]) < self.idle_ms for c in consumers) or any(
+                isinstance(w.get("seen_ms"), int) and w["seen_ms"] > seen_since
+                for w in workers):
+            return ModelInfo(ModelState.LIVE, generative, created)
+        return ModelInfo(ModelState.NO_WORKER, generative, created)
 
     async def live_models(self) -> list[tuple[str, int]]:
         """(model, created Unix s) of every model with a live worker, sorted by name; created
-        is the time of the stream's first entry id ever (the stream's creation, roughly)."""
+        is when its longest-running live worker started (else the stream's oldest entry)."""
         prefix = protocol.stream_key(self.namespace, "")
         found = []
         async for key in self.redis.scan_iter(match=f"{prefix}*", count=1000, _type="STREAM"):
-            stream = _text(key)
-            if await self._read_state(stream) is ModelState.LIVE:
-                found.append((stream[len(prefix):], await self._created(stream)))
+            model = _text(key)[len(prefix):]
+            info = await self._read_info(model)
+            if info.state is ModelState.LIVE:
+                created = info.created_s
+                found.append((model, created if created is not None
+                              else await self._created(_text(key))))
         return sorted(found)
 
     async def _created(self, stream: str) -> int:
@@ -77,6 +117,6 @@ class Discovery:
         first = info.get("first-entry") or info.get("last-generated-id")
         entry_id = first[0] if isinstance(first, list | tuple) else first
         try:
-            return int(_text(entry_id).split("-")[0]) // 1000
+            return int(_text(entry_id).split("-")[0]) // 1000 or int(time.time())
         except (TypeError, ValueError):
             return int(time.time())

@@ -79,6 +79,14 @@ def unknown_model(model: str) -> ApiError:
                     "model_not_found", "model")
 
 
+def wrong_model_kind(model: str, generative: bool) -> ApiError:
+    routes = ("/v1/chat/completions or /v1/completions" if generative
+              else "/v1/embeddings")
+    kind = "a generative model" if generative else "not a generative model"
+    return ApiError(400, f"the model '{model}' is {kind}: use {routes}", "wrong_model_kind",
+                    "model")
+
+
 def no_live_worker(model: str) -> ApiError:
     return ApiError(503, f"no live worker serves the model '{model}'; retry later",
                     "no_live_worker", "model", {"Retry-After": "5"})
@@ -86,3 +94,24 @@ def no_live_worker(model: str) -> ApiError:
 
 def timed_out(seconds: float) -> ApiError:
     return ApiError(504, f"no answer from the workers within {seconds:g} s", "timeout")
+
+
+# Fields redbatch does not implement, accepted at the value that changes nothing: clients
+# that send every field with its default still work.
+NEUTRAL_FIELDS: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0,
+                                  "logprobs": False, "echo": False}
+
+
+def refuse_unsupported(body: dict[str, Any], known: set[str]) -> None:
+    """400 for the first field that is not known, unless it is null or at a neutral value."""
+    unknown = sorted(key for key, value in body.items() if key not in known
+                     and value is not None and not _neutral(key, value))
+    if unknown:
+        raise invalid(f"unsupported field '{unknown[0]}'", unknown[0], "unsupported_parameter")
+
+
+def _neutral(key: str, value: Any) -> bool:
+    neutral = NEUTRAL_FIELDS.get(key, ...)
+    return neutral is not ... and type(value) in (int, float, bool) and \
+        isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+

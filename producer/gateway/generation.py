@@ -60,8 +60,15 @@ def worker_error(envelope: dict[str, Any], param: str) -> ApiError:
     retry = error.get("retry_after_ms")
     api_error = errors.from_worker(str(error.get("code", "")), str(error.get("message", "")),
                                    retry if isinstance(retry, int) else None)
-    if api_error.param == "input":
+    if api_error.param != "input":
+        return api_error
+    message = api_error.message
+    if "'max_new_tokens'" in message:  # the worker's name of max_tokens
+        api_error.param = "max_tokens"
+    else:
         api_error.param = param
+        if "the context window of this model" in message:
+            api_error.code = "context_length_exceeded"  # OpenAI's code for a long prompt
     return api_error
 
 
@@ -206,7 +213,7 @@ async def generate(request: Request, parse: Callable[[Any], GenerationRequest]) 
     gateway = request.app.state.gateway
     gateway.authorize(request)
     parsed = parse(await gateway.json_body(request))
-    await gateway.require_live(parsed.model)
+    await gateway.require_live(parsed.model, generative=True)
     generations: Generations = gateway.generations
     request_id = await generations.submit(parsed.model, parsed.payload)
     if parsed.stream:

@@ -12,13 +12,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from producer.gateway.errors import invalid
+from producer.gateway.errors import invalid, refuse_unsupported
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                  "stream_options", "n", "user"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 MESSAGE_FIELDS = {"role", "content", "name"}
+ROLES = {"system": "system", "developer": "system", "user": "user",
+         "assistant": "assistant"}  # OpenAI's newer "developer" is a system message
 MAX_STOP = 4
 CHAT, TEXT = "chat", "text"
 # The worker's finish_reason -> OpenAI's (stop, length, content_filter, tool_calls): a
@@ -66,10 +68,8 @@ def _fields(body: Any, known: set[str]) -> dict[str, Any]:
     """The body's fields without nulls; 400 for a non-object or an unknown field."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise invalid(f"unsupported field '{unknown[0]}'", unknown[0], "unsupported_parameter")
-    return {key: value for key, value in body.items() if value is not None}
+    refuse_unsupported(body, known)
+    return {key: value for key, value in body.items() if value is not None and key in known}
 
 
 def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any]) -> GenerationRequest:
@@ -135,7 +135,10 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
         if extra:
             raise invalid(f"'messages[{index}].{extra[0]}' is not supported", "messages",
                           "unsupported_parameter")
-        messages.append({"role": message["role"],
+        if message["role"] not in ROLES:
+            raise invalid(f"'messages[{index}].role' must be one of {sorted(ROLES)}, got "
+                          f"{message['role']!r}", "messages")
+        messages.append({"role": ROLES[message["role"]],
                          "content": _content(message.get("content"), index)})
     return messages
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from producer.gateway.errors import ApiError, invalid
+from producer.gateway.errors import ApiError, invalid, refuse_unsupported
 
 ENCODING_FORMATS = ("float", "base64")
 KNOWN_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
@@ -32,9 +32,7 @@ def parse_embedding_request(body: Any, max_inputs: int) -> EmbeddingRequest:
     """Validate the JSON body; token-id inputs are refused (the workers take text)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        raise invalid(f"unsupported field '{unknown[0]}'", unknown[0], "unsupported_parameter")
+    refuse_unsupported(body, KNOWN_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
@@ -56,6 +54,8 @@ def parse_embedding_request(body: Any, max_inputs: int) -> EmbeddingRequest:
 def parse_inputs(value: Any, max_inputs: int) -> list[str]:
     """A string or a non-empty list of strings; token ids (ints, lists of ints) are refused."""
     if isinstance(value, str):
+        if not value:
+            raise invalid("'input' must not be an empty string", "input")
         return [value]
     if value is None:
         raise invalid("'input' is required: a string or a list of strings", "input")
@@ -70,8 +70,8 @@ def parse_inputs(value: Any, max_inputs: int) -> list[str]:
         if isinstance(item, int | list) and not isinstance(item, bool):
             raise invalid("token-id inputs are not supported: send text", "input",
                           "unsupported_input")
-        if not isinstance(item, str):
-            raise invalid(f"'input[{index}]' must be a string", "input")
+        if not isinstance(item, str) or not item:
+            raise invalid(f"'input[{index}]' must be a non-empty string", "input")
     return list(value)
 
 

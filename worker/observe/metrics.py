@@ -112,8 +112,8 @@ LATENCY_OBSERVED = Gauge("redbatch_latency_observed_seconds",
 LATENCY_MARGIN = Gauge("redbatch_latency_margin_seconds", "The safety margin below deadlines",
                        ["model"], multiprocess_mode="max")
 SERVICE_COST = Gauge("redbatch_service_cost_seconds",
-                     "Fitted batch cost: fixed per batch, and per padded token",
-                     ["model", "term"], multiprocess_mode="max")
+                     "Fitted batch cost per length bucket: fixed per batch, and per padded "
+                     "token", ["model", "bucket", "term"], multiprocess_mode="max")
 GENERATED_TOKENS = Counter("redbatch_generated_tokens", "Tokens sampled by generative models",
                            ["model"])
 TIME_TO_FIRST_TOKEN = Histogram("redbatch_time_to_first_token_seconds",

@@ -149,8 +149,9 @@ class ComputeLoop:
                                                      [now_ms - at for at in enqueued_ms])
                 self.batcher.limits = with_controlled(self.batcher.limits, controlled)
         name = self.config.model_name
-        metrics.SERVICE_COST.labels(name, "fixed").set(fixed / 1000)
-        metrics.SERVICE_COST.labels(name, "per_token").set(per_token / 1000)
+        bucket = str(batch.bucket)
+        metrics.SERVICE_COST.labels(name, bucket, "fixed").set(fixed / 1000)
+        metrics.SERVICE_COST.labels(name, bucket, "per_token").set(per_token / 1000)
         if controlled is not None:
             metrics.CONTROLLED_LIMIT.labels(name, "max_batch_size").set(controlled.max_batch_size)
             metrics.CONTROLLED_LIMIT.labels(name, "max_wait_seconds").set(controlled.max_wait_s)

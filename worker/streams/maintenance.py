@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -92,11 +93,14 @@ class Maintenance:
         self.announce(gone=removed)
 
     def announce(self, gone: list[str] | None = None) -> None:
-        """Write this worker's description, and forget consumers that left, in one step."""
+        """Write this worker's description, and forget consumers that left, in one step.
+        `seen_ms` tells the gateway this worker is alive even while it reads nothing:
+        before Redis 7.2, XINFO CONSUMERS' `idle` counts only reads that delivered entries."""
         if self.workers_key is None:
             return
+        described = {**self.describe(), "seen_ms": int(time.time() * 1000)}
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.workers_key, self.reclaimer.consumer, json.dumps(dict(self.describe())))
+        pipe.hset(self.workers_key, self.reclaimer.consumer, json.dumps(described))
         if gone:
             pipe.hdel(self.workers_key, *gone)
         pipe.pexpire(self.workers_key,
