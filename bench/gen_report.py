@@ -85,13 +85,14 @@ def markdown(results: dict[str, Any]) -> str:
     memory = results["memory"]
     lines = [f"# Generative benchmark: {results['model']}", "",
              f"`{results['command']}`, started {results['started']}, "
-             f"{results['threads']} torch threads everywhere.", "",
+             f"{results['threads']} torch threads everywhere, "
+             f"{results.get('workers', 1)} redbatch worker process(es).", "",
              f"Workload: {results['workload']}.", "",
              *_throughput_lines(results),
              "## Time to first token (XADD to the first sampled token)", "",
              *_ttft_lines(results["ttft_ms"]), "", "## Memory", "",
-             f"Peak RSS while serving {memory['peak_serving_mib']:.0f} MiB (VmHWM with the "
-             f"load: {memory['vm_hwm_mib']:.0f} MiB) against interpreter "
+             f"Peak RSS of the first worker while serving {memory['peak_serving_mib']:.0f} "
+             f"MiB (VmHWM with the load: {memory['vm_hwm_mib']:.0f} MiB) against interpreter "
              f"{memory['interpreter_mib']:.0f} + 1.1 x (weights {memory['weights_mib']:.0f} + "
              f"KV budget {memory['kv_budget_mib']:.0f}) = {memory['allowed_mib']:.0f} MiB: "
              f"{'met' if memory['met'] else 'NOT met'}. Counted from the loaded worker "

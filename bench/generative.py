@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help=(
         "torch threads, everywhere (1: on a shared machine 2 threads can run 10x slower)"))
+    parser.add_argument("--workers", type=int, default=1, help=(
+        "redbatch worker processes, each with --threads torch threads and its own KV cache "
+        "(2 on a 2-core machine: two prompts that arrive together prefill side by side)"))
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--ttft-only", action="store_true", help=(
         "skip the systems' throughput: saturation from one closed-loop redbatch run at the "
@@ -117,10 +120,11 @@ def measure(args: argparse.Namespace, model: Any, requests: list[GenRequest],
             log_dir: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with RedisServer(log_dir, appendonly=False) as server, \
-            Workers(server.url, "redbatch", 1, log_dir, model=args.model,
+            Workers(server.url, "redbatch", args.workers, log_dir, model=args.model,
                     model_options=model_options(args), torch_threads=args.threads) as pool:
         pool.wait_until_reading(timeout_s=600)
-        closed_loop(pool.redis_url, pool.stream, requests[:2], 2)  # warm up
+        warm_up = 2 * args.workers  # a request or two for each worker
+        closed_loop(pool.redis_url, pool.stream, requests[:warm_up], warm_up)
         with RssPeak(pool.processes[0].pid) as rss:
             results["saturation"] = saturation(model, requests, pool, args, results)
             results["ttft_ms"] = time_to_first_token(
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "bench.generative", *(argv or sys.argv[1:])]),
         "machine": describe_machine(), "model": args.model, "workload": describe(requests),
-        "threads": args.threads, "kv_cache_mib": args.kv_cache_mib}
+        "threads": args.threads, "workers": args.workers, "kv_cache_mib": args.kv_cache_mib}
     with tempfile.TemporaryDirectory(prefix="redbatch-gen-bench-") as log_dir:
         results.update(measure(args, model, requests, Path(log_dir)))
     args.out.mkdir(parents=True, exist_ok=True)

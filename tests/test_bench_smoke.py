@@ -77,3 +77,23 @@ def test_ttft_compares_each_request_with_itself_alone() -> None:
     assert row["p95_over_unloaded_p50"] > 4  # the old ratio: the long prompt counted as load
     with pytest.raises(ValueError):
         compare(loaded[:-1], alone)
+
+
+def test_generative_ttft_runs_on_two_worker_processes(tmp_path: Path) -> None:
+    """`--workers 2`: the TTFT part on two worker processes sharing one stream."""
+    from tests.tiny_lm import build_tiny_lm
+
+    model = build_tiny_lm(tmp_path / "tiny", n_positions=1024)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    options = json.dumps({"path": str(model), "max_new_tokens_limit": 256})
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--generative", "--model", "causal_lm",
+         "--model-options", options, "--prompts", "6", "--concurrency", "3", "--ttft-only",
+         "--workers", "2", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [report] = tmp_path.glob("*-generative-causal_lm.json")
+    results = json.loads(report.read_text())
+    assert results["workers"] == 2 and "throughput" not in results
+    assert len(results["ttft_ms"]["50%"]["values"]) == 6
+    assert "2 redbatch worker process(es)" in report.with_suffix(".md").read_text()
