@@ -135,3 +135,26 @@ def test_merge_tokens_set_by_hand_is_kept(redis_url: str, r: redis.Redis) -> Non
                              bucket_boundaries=[8, 64], max_batch_size=8, metrics_port=0,
                              merge_tokens=7)
     assert build_worker(settings, r).batcher.merge_tokens == 7
+
+
+def test_with_a_latency_target_the_warm_up_fits_the_service_time_model(
+        redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first requests are admitted, or shed, on measured costs, not on a zero fit
+    (a cold worker would otherwise admit a whole burst it cannot serve in time). Without
+    a target the model is not fitted: its prior of 1 ms stays."""
+
+    def modelled(run: Callable[[], object]) -> float:
+        run()
+        return CostModel.modelled_s[-1]
+
+    monkeypatch.setattr(calibration, "timed", modelled)
+    settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
+                             model_options={"fixed_ms": 60.0, "per_token_ms": 1.5},
+                             bucket_boundaries=[8, 64], max_batch_size=16, metrics_port=0,
+                             latency_target_ms=500)
+    policy = build_worker(settings, r).intake.targeted.policy
+    assert policy.model.predict_ms(0, 1, 8) > 60.0  # at the target percentile, not the mean
+    assert policy.model.fit(0).fixed == pytest.approx(60.0, rel=0.2)
+    without = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
+                            bucket_boundaries=[8, 64], max_batch_size=16, metrics_port=0)
+    assert build_worker(without, r).intake.targeted.policy.model.predict_ms(0, 1, 8) < 60.0

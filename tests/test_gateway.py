@@ -144,6 +144,15 @@ def test_models_lists_models_with_live_workers(r: redis.Redis, worker_factory: A
     assert raw["object"] == "list"
     assert raw["data"][0]["object"] == "model" and raw["data"][0]["owned_by"] == "redbatch"
     assert isinstance(raw["data"][0]["created"], int)
+    assert raw["data"][0]["created"] > 1_700_000_000  # its worker's start, not 0
+
+
+def test_models_retrieve_one_model(worker_factory: Any, gateway_factory: Any) -> None:
+    with worker_factory(model="echo"), gateway_factory() as base_url:
+        model = sdk(base_url).models.retrieve("echo")
+        missing = httpx.get(f"{base_url}/v1/models/nope")
+    assert (model.id, model.object, model.owned_by) == ("echo", "model", "redbatch")
+    assert_openai_error(missing, 404, "model_not_found")
 
 
 def test_probes_and_metrics(gateway_factory: Any) -> None:

@@ -227,6 +227,8 @@ def test_shedding_refuses_what_would_miss_the_target_with_a_retry_time() -> None
     refused = shedding.admit(Member(NOW, None, 1), 0, NOW, queued_ms=200.0)
     assert not refused.admit and refused.code == "overloaded"
     assert refused.retry_after_ms == 201
+    late = shedding.admit(Member(NOW - 30, None, 1), 0, NOW, queued_ms=200.0)
+    assert (late.waited_ms, late.margin_ms) == (30.0, shedding.margin.ms)  # for its message
     assert keeping.admit(Member(NOW, None, 1), 0, NOW, queued_ms=200.0).admit
 
 

@@ -20,6 +20,7 @@ import torch
 from producer import connection, protocol
 from worker.execution.calibration import (
     CalibrationError,
+    Observe,
     calibration_path,
     load_calibration,
     measure_merge_tokens,
@@ -274,16 +275,20 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     worker = assemble_worker(settings, model, Executor(model, device), client,
                              calibrated=load_batch_sizes(settings, device))
     if settings.warmup:
-        warm_up(worker.runner, model, worker.batcher.boundaries)
+        # with a latency target, the warm-up's timed runs are its service-time model's first
+        observe = worker.intake.targeted.policy.model.observe \
+            if settings.latency_target_ms else None
+        warm_up(worker.runner, model, worker.batcher.boundaries, observe)
         if settings.merge_tokens is None and worker.batcher.boundaries:
-            measure_merge(worker, model)
+            measure_merge(worker, model, observe)
     return worker
 
 
-def measure_merge(worker: Worker, model: Model) -> None:
+def measure_merge(worker: Worker, model: Model, observe: Observe | None) -> None:
     """Set how much padding a merge of buckets may add from the model's measured costs."""
     try:
-        measured = measure_merge_tokens(worker.runner, model, worker.batcher.boundaries[0])
+        measured = measure_merge_tokens(worker.runner, model, worker.batcher.boundaries[0],
+                                        observe=observe)
     except Exception:  # only a tuning: serve with the default, the error will show again
         log.exception("batching.merge_tokens_failed")
         return

@@ -32,6 +32,7 @@ from producer.gateway.openai_shapes import (
     check_dimensions,
     embedding_of,
     embeddings_response,
+    model_object,
     models_response,
     parse_embedding_request,
 )
@@ -124,6 +125,17 @@ async def list_models(request: Request) -> Response:
     return JSONResponse(models_response(await gateway.discovery.live_models()))
 
 
+async def retrieve_model(request: Request) -> Response:
+    """One model of the list, or 404 (OpenAI's `models.retrieve`)."""
+    gateway: Gateway = request.app.state.gateway
+    gateway.authorize(request)
+    name = request.path_params["model"]
+    for model, created in await gateway.discovery.live_models():
+        if model == name:
+            return JSONResponse(model_object(model, created))
+    raise errors.unknown_model(name)
+
+
 async def metrics_endpoint(request: Request) -> Response:
     return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
@@ -179,6 +191,7 @@ def create_app(settings: GatewaySettings | None = None) -> Any:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

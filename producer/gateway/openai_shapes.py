@@ -118,6 +118,8 @@ def embedding_of(result: Any) -> list[float]:
 
 def models_response(models: Sequence[tuple[str, int]]) -> dict[str, Any]:
     """(name, created Unix seconds) pairs as OpenAI's model list."""
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "redbatch"}
-        for name, created in models]}
+    return {"object": "list", "data": [model_object(name, created) for name, created in models]}
+
+
+def model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "redbatch"}

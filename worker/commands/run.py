@@ -40,7 +40,7 @@ def install_signal_handlers(worker: Worker) -> None:
         if worker.stopping.is_set():
             log.warning("worker.forced_exit", signal=signum)
             sys.stderr.flush()
-            os._exit(130)
+            os._exit(128 + signum)  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
         log.info("worker.stopping", signal=signal.Signals(signum).name,
                  grace_s=worker.settings.shutdown_grace_s)
         worker.stop()

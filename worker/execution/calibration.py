@@ -164,9 +164,14 @@ def calibrate(executor: Executor, memory: MemoryProbe, boundaries: Sequence[int]
     return results
 
 
-def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> None:
+Observe = Callable[[int, int, int, float], None]  # (bucket, size, longest, ms) of a run
+
+
+def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int],
+            observe: Observe | None = None) -> None:
     """Run each bucket's largest allowed shape once. One info line says what it cost in all;
-    each bucket's own line is at debug level."""
+    each bucket's own line is at debug level. `observe` is told each run's time (a latency
+    target's service-time model: predictions from the first request on, not from zero)."""
     started = time.perf_counter()
     sizes: list[int] = []
     for bucket, length in enumerate(boundaries):
@@ -182,6 +187,8 @@ def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> Non
             log.exception("warmup.failed", bucket=bucket, max_length=sample.length)
             continue
         sizes.append(len(items))
+        if observe is not None:
+            observe(bucket, len(items), sample.length, seconds * 1000)
         log.debug("warmup.bucket", bucket=bucket, max_length=sample.length,
                   batch_size=len(items), ms=round(seconds * 1000, 1))
     log.info("warmup.done", buckets=len(sizes), batch_size=max(sizes, default=0),
@@ -189,7 +196,7 @@ def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> Non
 
 
 def measure_merge_tokens(runner: BatchRunner, model: Model, length: int,
-                         repeats: int = 3) -> int | None:
+                         repeats: int = 3, observe: Observe | None = None) -> int | None:
     """The model's fixed cost per batch, in padded tokens: how much padding a merge of two
     buckets into one batch may add and still pay (batching.py). Fitted from two timed shapes
     of the shortest bucket, one input and a full batch (medians); None without sample()."""
@@ -198,11 +205,21 @@ def measure_merge_tokens(runner: BatchRunner, model: Model, length: int,
         return None
     cap = runner.governor.caps[0]
     size = max(2, min(cap.requests, cap.tokens // sample.length))
-    one = statistics.median(timed(lambda: runner.run(0, [sample])) for _ in range(repeats))
-    full = statistics.median(timed(lambda: runner.run(0, [sample] * size))
-                             for _ in range(repeats))
+    one = statistics.median(_timed_runs(runner, [sample], repeats, observe))
+    full = statistics.median(_timed_runs(runner, [sample] * size, repeats, observe))
     per_token = (full - one) / ((size - 1) * sample.length)
     fixed = one - per_token * sample.length
     if per_token <= 0:  # padding costs nothing measurable (echo, or a device far from full)
         return cap.tokens
     return round(min(cap.tokens, max(0.0, fixed / per_token)))
+
+
+def _timed_runs(runner: BatchRunner, items: list[Any], repeats: int,
+                observe: Observe | None) -> list[float]:
+    """Seconds of each of `repeats` runs of bucket 0, each told to `observe` as well."""
+    times = [timed(lambda: runner.run(0, items)) for _ in range(repeats)]
+    if observe is not None:
+        for seconds in times:
+            observe(0, len(items), max(item.length for item in items), seconds * 1000)
+    return times
+

@@ -47,7 +47,9 @@ def refused_answer(pending: Pending, admission: Admission) -> Answer:
     predicted = f"predicted to finish in {admission.predicted_ms:.0f} ms"
     if admission.code == ErrorCode.OVERLOADED:
         return error_answer(pending.entry_id, pending.request, ErrorCode.OVERLOADED,
-                            f"over the latency target: {predicted}",
+                            f"over the latency target: {admission.waited_ms:.0f} ms since "
+                            f"the XADD, {predicted} and a safety margin of "
+                            f"{admission.margin_ms:.0f} ms kept below the target",
                             retry_after_ms=admission.retry_after_ms)
     return error_answer(pending.entry_id, pending.request, ErrorCode.DEADLINE_EXCEEDED,
                         f"cannot meet its deadline: {predicted}")

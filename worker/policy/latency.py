@@ -68,6 +68,8 @@ class Admission:
     code: str = ""  # deadline_exceeded or overloaded
     predicted_ms: float = 0.0  # the predicted completion's delay from now
     retry_after_ms: int = 0
+    waited_ms: float = 0.0  # overloaded: since its XADD, and the margin kept below the target
+    margin_ms: float = 0.0
 
 
 class ArrivalRate:
@@ -238,7 +240,8 @@ class LatencyPolicy:
             return Admission(False, "deadline_exceeded", delay)
         if self.shed_over_target and \
                 completion + self.margin.ms > member.enqueued_ms + self.target_ms:
-            return Admission(False, "overloaded", delay, retry_after_ms=int(free_in + ahead) + 1)
+            return Admission(False, "overloaded", delay, int(free_in + ahead) + 1,
+                             now_ms - member.enqueued_ms, self.margin.ms)
         return Admission(True, predicted_ms=delay)
 
     def queued_ms(self, bucket: int, size: int, longest: int, batch_cap: int) -> float:
