@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,19 +41,7 @@ def test_smoke_run_writes_the_report(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_generative_smoke_run_writes_the_report(tmp_path: Path) -> None:
     """Every system of the generative benchmark runs on the tiny model and agrees."""
-    from tests.tiny_lm import build_tiny_lm
-
-    model = build_tiny_lm(tmp_path / "tiny", n_positions=1024)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    options = json.dumps({"path": str(model), "max_new_tokens_limit": 256})
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--generative", "--model", "causal_lm",
-         "--model-options", options, "--prompts", "6", "--concurrency", "2", "3",
-         "--repeats", "1", "--out", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [report] = tmp_path.glob("*-generative-causal_lm.json")
-    results = json.loads(report.read_text())
+    results, markdown = generative_bench(tmp_path, "--concurrency", "2", "3", "--repeats", "1")
     for by_system in results["throughput"]["tokens_per_s"].values():
         assert set(by_system) == {"redbatch", "engine", "static", "hf_static", "generate_batch"}
         assert all(system["median"] > 0 for system in by_system.values())
@@ -62,7 +51,7 @@ def test_generative_smoke_run_writes_the_report(tmp_path: Path) -> None:
     assert ttft["unloaded"]["p50"] > 0 and len(ttft["unloaded"]["values"]) == 6
     assert len(ttft["80%"]["values"]) == 6 and ttft["80%"]["slowdown_p95"] > 0
     assert results["memory"]["peak_serving_mib"] > results["memory"]["weights_mib"]
-    assert "## Time to first token" in report.with_suffix(".md").read_text()
+    assert "## Time to first token" in markdown
 
 
 def test_ttft_compares_each_request_with_itself_alone() -> None:
@@ -79,8 +68,18 @@ def test_ttft_compares_each_request_with_itself_alone() -> None:
         compare(loaded[:-1], alone)
 
 
+@pytest.mark.slow
 def test_generative_ttft_runs_on_two_worker_processes(tmp_path: Path) -> None:
     """`--workers 2`: the TTFT part on two worker processes sharing one stream."""
+    results, markdown = generative_bench(tmp_path, "--concurrency", "3", "--ttft-only",
+                                         "--workers", "2")
+    assert results["workers"] == 2 and "throughput" not in results
+    assert len(results["ttft_ms"]["50%"]["values"]) == 6
+    assert "2 redbatch worker process(es)" in markdown
+
+
+def generative_bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """`python -m bench --generative` on the tiny model and 6 prompts: its JSON and report."""
     from tests.tiny_lm import build_tiny_lm
 
     model = build_tiny_lm(tmp_path / "tiny", n_positions=1024)
@@ -88,12 +87,8 @@ def test_generative_ttft_runs_on_two_worker_processes(tmp_path: Path) -> None:
     options = json.dumps({"path": str(model), "max_new_tokens_limit": 256})
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--generative", "--model", "causal_lm",
-         "--model-options", options, "--prompts", "6", "--concurrency", "3", "--ttft-only",
-         "--workers", "2", "--out", str(tmp_path)],
+         "--model-options", options, "--prompts", "6", *args, "--out", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     [report] = tmp_path.glob("*-generative-causal_lm.json")
-    results = json.loads(report.read_text())
-    assert results["workers"] == 2 and "throughput" not in results
-    assert len(results["ttft_ms"]["50%"]["values"]) == 6
-    assert "2 redbatch worker process(es)" in report.with_suffix(".md").read_text()
+    return json.loads(report.read_text()), report.with_suffix(".md").read_text()

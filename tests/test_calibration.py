@@ -111,18 +111,22 @@ def test_a_malformed_calibration_file_stops_the_worker_clearly(
         build_worker(settings, r)
 
 
-def test_warm_up_measures_how_much_padding_a_merge_may_add(
-        redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    """60 ms per batch and 1.5 ms per padded token: a batch is worth 40 padded tokens.
-
-    Each timed run reads the time the model was asked to take, not the clock: a busy host's
-    late wake-ups (CI saw 10 ms) would move a fit from real sleeps past any tight bound."""
+@pytest.fixture
+def modelled_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each timed run reads the time the model was asked to take, not the clock: a busy
+    host's late wake-ups (CI saw 10 ms) would move a fit from real sleeps past any bound."""
 
     def modelled(run: Callable[[], object]) -> float:
         run()
         return CostModel.modelled_s[-1]
 
     monkeypatch.setattr(calibration, "timed", modelled)
+
+
+@pytest.mark.usefixtures("modelled_time")
+def test_warm_up_measures_how_much_padding_a_merge_may_add(redis_url: str,
+                                                           r: redis.Redis) -> None:
+    """60 ms per batch and 1.5 ms per padded token: a batch is worth 40 padded tokens."""
     settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
                              model_options={"fixed_ms": 60.0, "per_token_ms": 1.5},
                              bucket_boundaries=[8, 64], max_batch_size=16, metrics_port=0)
@@ -137,17 +141,12 @@ def test_merge_tokens_set_by_hand_is_kept(redis_url: str, r: redis.Redis) -> Non
     assert build_worker(settings, r).batcher.merge_tokens == 7
 
 
+@pytest.mark.usefixtures("modelled_time")
 def test_with_a_latency_target_the_warm_up_fits_the_service_time_model(
-        redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+        redis_url: str, r: redis.Redis) -> None:
     """The first requests are admitted, or shed, on measured costs, not on a zero fit
     (a cold worker would otherwise admit a whole burst it cannot serve in time). Without
     a target the model is not fitted: its prior of 1 ms stays."""
-
-    def modelled(run: Callable[[], object]) -> float:
-        run()
-        return CostModel.modelled_s[-1]
-
-    monkeypatch.setattr(calibration, "timed", modelled)
     settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
                              model_options={"fixed_ms": 60.0, "per_token_ms": 1.5},
                              bucket_boundaries=[8, 64], max_batch_size=16, metrics_port=0,

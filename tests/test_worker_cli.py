@@ -8,7 +8,7 @@ from worker.cli import build_parser
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["stats", "--interval", "-1"], "argument --interval: must be above 0, got -1"),
+    (["stats", "--interval", "-1"], "argument --interval: must be 0 or more, got -1"),
     (["stats", "--watch", "0"], "argument --watch: must be above 0, got 0"),
     (["dead-letters", "--requeue", "notanid"], "'notanid' is not a stream entry id"),
     (["dead-letters", "--limit", "x"], "'x' is not a number"),
@@ -29,3 +29,4 @@ def test_good_command_arguments_parse() -> None:
                                       "--limit", "5"])
     assert args.requeue == ["1733140000000-0"] and args.limit == 5
     assert build_parser().parse_args(["stats", "--watch"]).watch == 2.0
+    assert build_parser().parse_args(["stats", "--interval", "0"]).interval == 0.0

@@ -48,15 +48,17 @@ def setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
-    """An argparse type: a number above 0, or one line saying what is wrong."""
+def positive(kind: type[int] | type[float], zero: bool = False) -> Callable[[str], int | float]:
+    """An argparse type: a number above 0 (or at least 0, with `zero`), or one line saying
+    what is wrong."""
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(
+                f"must be {'0 or more' if zero else 'above 0'}, got {text}")
         return value
     return parse
 
@@ -109,7 +111,7 @@ def add_stats_parser(commands: Any) -> None:
     stats.add_argument("--watch", type=positive(float), nargs="?", const=2.0, default=None,
                        metavar="SECONDS", help="refresh every SECONDS (default 2)")
     stats.add_argument("--json", action="store_true", help="JSON (one line per reading)")
-    stats.add_argument("--interval", type=positive(float), default=1.0,
+    stats.add_argument("--interval", type=positive(float, zero=True), default=1.0,
                        help="seconds between the two readings that give the throughput")
 
 
