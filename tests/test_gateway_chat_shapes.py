@@ -170,6 +170,10 @@ def test_chunks() -> None:
     assert piece["object"] == "text_completion" and piece["choices"][0]["text"] == "ab"
     final = usage_chunk(chat, "r", 5, RESULT)
     assert final["choices"] == [] and final["usage"]["total_tokens"] == 11
+    assert "usage" not in piece  # without include_usage, no usage key at all
+    counted = parse_chat_request({"model": "lm", "messages": MESSAGES, "stream": True,
+                                  "stream_options": {"include_usage": True}})
+    assert chunk(counted, "r", 5, "ab")["usage"] is None  # as OpenAI: set on the last only
 
 
 def test_sse_and_entries() -> None:

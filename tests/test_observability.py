@@ -231,6 +231,16 @@ def test_stats_explains_a_missing_or_unreachable_redis(
     assert "cannot read stats" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("keep_logging")  # main() points the logs at capsys's stderr
+def test_stats_says_when_a_model_asked_for_has_no_stream(
+        redis_url: str, r: redis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    r.xgroup_create("redbatch:requests:present", "workers", id="0", mkstream=True)
+    assert main(["stats", "--redis-url", redis_url, "--interval", "0", "--json",
+                 "--models", "present", "nosuch"]) == 0
+    err = capsys.readouterr().err
+    assert "no request stream for model 'nosuch'" in err and "'present'" not in err
+
+
 def test_observe_all_counts_exactly_as_observe_does() -> None:
     from prometheus_client import CollectorRegistry, Histogram
 

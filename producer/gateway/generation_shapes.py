@@ -231,7 +231,10 @@ def chunk(request: GenerationRequest, request_id: str, created: int, text: str |
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    return {**_head(request, request_id, created, True), "choices": [choice]}
+    body = {**_head(request, request_id, created, True), "choices": [choice]}
+    if request.include_usage:
+        body["usage"] = None  # as OpenAI sends it: only the last chunk's is set
+    return body
 
 
 def usage_chunk(request: GenerationRequest, request_id: str, created: int,

@@ -144,6 +144,7 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
     reader = StatsReader(client, settings.namespace, settings.group, models)
     try:
         reader.read()
+        warn_of_absent(client, settings.namespace, models)
         if watch is None:
             sleep(interval)
             show(console, reader.read(), settings.group, as_json)
@@ -174,3 +175,15 @@ def show(console: Console, rows: list[tuple[StreamStats, float | None]], group: 
         print(json.dumps(to_json(rows)), flush=True)
     else:
         console.print(render(rows, group))
+
+
+def warn_of_absent(client: redis.Redis, namespace: str, models: list[str] | None) -> None:
+    """A model asked for by name that has no request stream: shown as zeros, and said so."""
+    if not models:
+        return
+    found = set(discover_models(client, namespace))
+    for model in models:
+        if model not in found:
+            print(f"redbatch: no request stream for model {model!r} in namespace "
+                  f"{namespace!r} (yet)", file=sys.stderr)
+
