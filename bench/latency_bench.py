@@ -22,10 +22,10 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 
@@ -44,11 +44,11 @@ from bench.latency_metrics import MetricSampling, per_window
 from bench.latency_open_loop import open_loop_ids, summarise
 from bench.load import drain
 from bench.simulate import Phase
+from worker.cli import positive
 from worker.execution.cores import available_cores
 from worker.streams.server import RedisServer
 
 WARM_BURST = 8  # the burst warm-up: PAYLOADS this many times over, sent at once
-N = TypeVar("N", int, float)
 SHARES = (0.6, 0.7, 0.8, 0.9, 0.95)  # of the saturated rate, where the sweep looks for C
 
 
@@ -135,21 +135,8 @@ def capacity(url: str, target_ms: float, seed: int, log_dir: Path,
                   "worst_window_p99_ms": worst}
 
 
-def positive(kind: Callable[[str], N], what: str) -> Callable[[str], N]:
-    """An argparse type: a number of `kind` above 0 (for a whole number: at least 1)."""
-    def parse(text: str) -> N:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, not {value:g}")
-        return value
-    return parse
-
-
-positive_int = positive(int, "a whole number")
-positive_float = positive(float, "a number")  # a rate, in requests/s
+positive_int = positive(int)
+positive_float = positive(float)  # a rate, in requests/s
 
 
 def shares_list(text: str) -> tuple[float, ...]:

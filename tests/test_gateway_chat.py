@@ -115,6 +115,15 @@ def test_bad_fields_are_400(served: str, route: str, body: dict[str, Any],
     assert streamed["param"] == param
 
 
+def test_a_prompt_longer_than_the_context_window_is_context_length_exceeded(
+        served: str) -> None:
+    """As OpenAI answers it, known from the worker's `reason`, not its wording."""
+    body = {"model": MODEL, "prompt": "the quick brown fox " * 400}
+    error = assert_openai_error(post(served, "completions", body), 400,
+                                "context_length_exceeded")
+    assert error["param"] == "prompt" and "context window" in error["message"]
+
+
 def test_embeddings_on_a_generative_model_are_400_at_once(served: str) -> None:
     response = httpx.post(f"{served}/v1/embeddings", json={"model": MODEL, "input": "hi"},
                           timeout=30)

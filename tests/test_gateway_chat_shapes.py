@@ -192,12 +192,19 @@ def test_worker_errors_name_the_input_field() -> None:
 
 
 def test_worker_refusals_name_max_tokens_and_a_long_prompt_as_openai_does() -> None:
+    """By the envelope's `field` and `reason`, whatever the message says."""
     too_many = worker_error({"ok": False, "error": {
-        "code": "invalid_request", "message": "'max_new_tokens' must be between 1 and 1024 "
-        "(max_new_tokens_limit), got 5000"}}, "messages")
+        "code": "invalid_request", "message": "any wording", "field": "max_new_tokens"}},
+        "messages")
     assert (too_many.status, too_many.param, too_many.code) == (400, "max_tokens",
                                                                 "invalid_request")
     too_long = worker_error({"ok": False, "error": {
-        "code": "invalid_request", "message": "prompt is 9001 tokens; the context window of "
-        "this model is 8192 tokens (prompt and answer together)"}}, "prompt")
+        "code": "invalid_request", "message": "any wording", "reason": "context_window"}},
+        "prompt")
     assert (too_long.param, too_long.code) == ("prompt", "context_length_exceeded")
+    hot = worker_error({"ok": False, "error": {
+        "code": "invalid_request", "message": "x", "field": "temperature"}}, "prompt")
+    assert (hot.param, hot.code) == ("temperature", "invalid_request")
+    chat = worker_error({"ok": False, "error": {
+        "code": "invalid_request", "message": "x", "field": "prompt"}}, "messages")
+    assert chat.param == "messages"

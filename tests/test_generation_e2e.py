@@ -129,33 +129,40 @@ def test_cancel_ends_the_generation_with_finish_reason_cancelled(
     assert done["result"]["tokens"] < 60
 
 
-BAD_INPUTS = [
-    ({"prompt": 42}, "'prompt' must be a string"),
-    ({"messages": [{"role": "user"}]}, "messages[0]"),
-    ({"messages": "hi"}, "payload must be an object"),
-    ({"text": "hi"}, "payload must be an object"),
-    ({"prompt": "hi", "max_new_tokens": 0}, "between 1 and 64"),
-    ({"prompt": "hi", "max_new_tokens": 65}, "max_new_tokens_limit"),
-    ({"prompt": "hi", "temperature": -1}, "'temperature' must be >= 0"),
-    ({"prompt": "hi", "top_p": 0}, "'top_p'"),
-    ({"prompt": "hi", "top_k": -1}, "'top_k'"),
-    ({"prompt": "hi", "seed": "x"}, "'seed' must be an integer"),
-    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
-    ({"prompt": "the quick brown fox " * 40}, "the context window of this model is 128"),
-    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "not both"),
-    ({"prompt": "hi", "stream": 1}, "'stream' must be true or false"),
+BAD_INPUTS = [  # (payload, words of the message, the error's field or reason)
+    ({"prompt": 42}, "'prompt' must be a string", ("field", "prompt")),
+    ({"messages": [{"role": "user"}]}, "messages[0]", ("field", "messages")),
+    ({"messages": "hi"}, "payload must be an object", None),
+    ({"text": "hi"}, "payload must be an object", None),
+    ({"prompt": "hi", "max_new_tokens": 0}, "between 1 and 64", ("field", "max_new_tokens")),
+    ({"prompt": "hi", "max_new_tokens": 65}, "max_new_tokens_limit",
+     ("field", "max_new_tokens")),
+    ({"prompt": "hi", "temperature": -1}, "'temperature' must be >= 0", ("field", "temperature")),
+    ({"prompt": "hi", "top_p": 0}, "'top_p'", ("field", "top_p")),
+    ({"prompt": "hi", "top_k": -1}, "'top_k'", ("field", "top_k")),
+    ({"prompt": "hi", "seed": "x"}, "'seed' must be an integer", ("field", "seed")),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "at most 4", ("field", "stop")),
+    ({"prompt": "the quick brown fox " * 40}, "the context window of this model is 128",
+     ("reason", "context_window")),
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "not both",
+     ("field", "messages")),
+    ({"prompt": "hi", "stream": 1}, "'stream' must be true or false", ("field", "stream")),
 ]
 
 
 def test_bad_input_is_answered_invalid_request_and_the_worker_keeps_serving(
         tiny_worker: Any, r: redis.Redis) -> None:
-    ids = [send(r, payload) for payload, _ in BAD_INPUTS]
-    for request_id, (_, message) in zip(ids, BAD_INPUTS, strict=True):
+    ids = [send(r, payload) for payload, _, _ in BAD_INPUTS]
+    for request_id, (_, message, detail) in zip(ids, BAD_INPUTS, strict=True):
         entries = read_stream(r, stream_key(request_id))
         assert len(entries) == 1 and entries[0][0] == "1-1"
         done = entries[0][1]
         assert done["type"] == "done" and not done["ok"], done
         assert done["error"]["code"] == "invalid_request" and message in done["error"]["message"]
+        if detail:
+            assert done["error"][detail[0]] == detail[1], done
+        else:
+            assert "field" not in done["error"] and "reason" not in done["error"]
     plain = send(r, {"prompt": 7, "stream": False})
     assert list_reply(r, plain)["error"]["code"] == "invalid_request"
     undecodable = uuid.uuid4().hex

@@ -56,7 +56,7 @@ def positive(kind: type[int] | type[float], zero: bool = False) -> Callable[[str
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value < 0 or (value == 0 and not zero):
+        if not (value > 0 or (zero and value == 0)) or value == float("inf"):  # NaN fails too
             raise argparse.ArgumentTypeError(
                 f"must be {'0 or more' if zero else 'above 0'}, got {text}")
         return value

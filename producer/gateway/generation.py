@@ -43,6 +43,7 @@ from producer.gateway.generation_shapes import (
 Entry = tuple[str, dict[str, Any]]
 Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel
 CANCEL_MARGIN_MS = 60_000  # the cancel key outlives the request's deadline by this much
+API_NAMES = {"max_new_tokens": "max_tokens"}  # payload keys the API names otherwise
 CLIENT_CLOSED = 499  # the status recorded (nginx's) for an answer nobody was left to read
 
 
@@ -55,20 +56,19 @@ def decode_entry(data: bytes) -> dict[str, Any]:
 
 
 def worker_error(envelope: dict[str, Any], param: str) -> ApiError:
-    """A failure envelope as an ApiError, naming the request's input field."""
+    """A failure envelope as an ApiError. The param is the payload key the worker names
+    (`field`) in the API's name, else the request's input field `param`."""
     error = envelope.get("error") or {}
     retry = error.get("retry_after_ms")
     api_error = errors.from_worker(str(error.get("code", "")), str(error.get("message", "")),
                                    retry if isinstance(retry, int) else None)
     if api_error.param != "input":
         return api_error
-    message = api_error.message
-    if "'max_new_tokens'" in message:  # the worker's name of max_tokens
-        api_error.param = "max_tokens"
-    else:
-        api_error.param = param
-        if "the context window of this model" in message:
-            api_error.code = "context_length_exceeded"  # OpenAI's code for a long prompt
+    field = error.get("field")
+    api_error.param = param if field in (None, "prompt", "messages") \
+        else API_NAMES.get(field, str(field))
+    if error.get("reason") == "context_window":
+        api_error.code = "context_length_exceeded"  # OpenAI's code for a long prompt
     return api_error
 
 

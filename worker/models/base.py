@@ -17,7 +17,17 @@ import torch
 
 
 class InvalidInput(ValueError):
-    """The payload is not a valid input for this model; answered as `invalid_request`."""
+    """The payload is not a valid input for this model; answered as `invalid_request`.
+
+    `field` names the payload key at fault and `reason` a kind of mistake a client may act
+    on (`context_window`); both go into the error envelope, so a client (the gateway) need
+    not parse the message."""
+
+    def __init__(self, message: str, field: str | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message)
+        self.details = {key: value for key, value in (("field", field), ("reason", reason))
+                        if value is not None}
 
 
 @dataclass(slots=True)

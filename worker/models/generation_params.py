@@ -33,10 +33,10 @@ def prompt_of(payload: Any) -> str | list[dict[str, str]]:
     if not isinstance(payload, dict):
         raise InvalidInput(SHAPE)
     if "prompt" in payload and "messages" in payload:
-        raise InvalidInput("give 'prompt' or 'messages', not both")
+        raise InvalidInput("give 'prompt' or 'messages', not both", "messages")
     if "prompt" in payload:
         if not isinstance(payload["prompt"], str):
-            raise InvalidInput("'prompt' must be a string")
+            raise InvalidInput("'prompt' must be a string", "prompt")
         return payload["prompt"]
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -45,7 +45,7 @@ def prompt_of(payload: Any) -> str | list[dict[str, str]]:
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise InvalidInput(f"messages[{i}] must be {{\"role\": <string>, "
-                               "\"content\": <string>}")
+                               "\"content\": <string>}", "messages")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -65,14 +65,14 @@ def _given(payload: dict[str, Any], name: str, default: Any) -> Any:
 def _integer(payload: dict[str, Any], name: str, default: int | None) -> int | None:
     value = _given(payload, name, default)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise InvalidInput(f"'{name}' must be an integer, got {value!r}")
+        raise InvalidInput(f"'{name}' must be an integer, got {value!r}", name)
     return value
 
 
 def _number(payload: dict[str, Any], name: str, default: float) -> float:
     value = _given(payload, name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidInput(f"'{name}' must be a number, got {value!r}")
+        raise InvalidInput(f"'{name}' must be a number, got {value!r}", name)
     return float(value)
 
 
@@ -80,9 +80,10 @@ def _stops(payload: dict[str, Any]) -> tuple[str, ...]:
     stop = _given(payload, "stop", ())
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
-        raise InvalidInput("'stop' must be a non-empty string or a list of them")
+        raise InvalidInput("'stop' must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidInput(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+        raise InvalidInput(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}",
+                           "stop")
     return tuple(stops)
 
 
@@ -91,23 +92,25 @@ def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
     """The sampling parameters; `max_new_tokens` is cut to what the context window leaves."""
     if prompt_len >= context:
         raise InvalidInput(f"prompt is {prompt_len} tokens; the context window of this model "
-                           f"is {context} tokens (prompt and answer together)")
+                           f"is {context} tokens (prompt and answer together)",
+                           reason="context_window")
     max_new = _integer(payload, "max_new_tokens", default_new)
     assert max_new is not None
     if not 1 <= max_new <= limit_new:
         raise InvalidInput(f"'max_new_tokens' must be between 1 and {limit_new} "
-                           f"(max_new_tokens_limit), got {max_new}")
+                           f"(max_new_tokens_limit), got {max_new}", "max_new_tokens")
     temperature = _number(payload, "temperature", 0.0)
     top_p = _number(payload, "top_p", 1.0)
     top_k = _integer(payload, "top_k", 0)
     seed = _integer(payload, "seed", None)
     if temperature < 0:
-        raise InvalidInput(f"'temperature' must be >= 0, got {temperature}")
+        raise InvalidInput(f"'temperature' must be >= 0, got {temperature}", "temperature")
     if not 0 < top_p <= 1:
-        raise InvalidInput(f"'top_p' must be in (0, 1], got {top_p}")
+        raise InvalidInput(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     if top_k is None or top_k < 0:
-        raise InvalidInput(f"'top_k' must be an integer >= 0, got {top_k}")
+        raise InvalidInput(f"'top_k' must be an integer >= 0, got {top_k}", "top_k")
     if not isinstance(_given(payload, "stream", True), bool):
-        raise InvalidInput(f"'stream' must be true or false, got {payload['stream']!r}")
+        raise InvalidInput(f"'stream' must be true or false, got {payload['stream']!r}",
+                           "stream")
     return SamplingParams(min(max_new, context - prompt_len), temperature, top_p, top_k,
                           seed, _stops(payload))

@@ -96,7 +96,7 @@ class CausalLM(Model):
         tokenizer = self.tokenizer
         if isinstance(prompt, list):
             if not getattr(tokenizer, "chat_template", None):
-                raise InvalidInput("this model has no chat template: send 'prompt'")
+                raise InvalidInput("this model has no chat template: send 'prompt'", "messages")
             text = tokenizer.apply_chat_template(prompt, tokenize=False,
                                                  add_generation_prompt=True)
             ids = list(tokenizer(text, add_special_tokens=False).input_ids)
@@ -105,7 +105,7 @@ class CausalLM(Model):
         if not ids and tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id]
         if not ids:
-            raise InvalidInput("'prompt' is empty")
+            raise InvalidInput("'prompt' is empty", "prompt")
         return ids
 
     def answers_on_stream(self, payload: Any) -> bool:

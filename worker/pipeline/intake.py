@@ -20,7 +20,7 @@ import structlog
 
 from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry, Request
-from worker.models.base import Model
+from worker.models.base import InvalidInput, Model
 from worker.observe import metrics
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer, refused_answer
 from worker.pipeline.inflight import InFlight
@@ -179,7 +179,10 @@ class Intake:
         try:
             payload = protocol.decode(request.payload, request.content_type)
             item = self.model.prepare(payload, len(request.payload))
-        except ValueError as exc:  # undecodable payload or InvalidInput
+        except InvalidInput as exc:
+            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc),
+                                **exc.details)
+        except ValueError as exc:  # an undecodable payload
             return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc))
         except Exception as exc:
             log.exception("model.prepare_failed", request_id=request.id)
