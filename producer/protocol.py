@@ -177,12 +177,13 @@ class InvalidEntry(Exception):
 
     def __init__(self, message: str, request_id: str | None = None,
                  reply_to: str | None = None, content_type: str = JSON,
-                 payload: bytes | None = None) -> None:
+                 payload: bytes | None = None, **details: str) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.reply_to = reply_to
         self.content_type = content_type
         self.payload = payload
+        self.details = details  # `field` at fault, `reason`: in the error envelope
 
     @property
     def answerable(self) -> bool:
@@ -253,21 +254,25 @@ def _checked(request_id: str, reply_to: str, content_type: str, payload: bytes |
              deadline: bytes | None, priority: bytes | None, max_payload_bytes: int) -> Request:
     """The rest of parse_entry: each problem is answered in the request's content type."""
 
-    def invalid(message: str) -> InvalidEntry:
+    def invalid(message: str, field: str, **reason: str) -> InvalidEntry:
         known = content_type in CONTENT_TYPES
         readable = payload if known and payload and len(payload) <= max_payload_bytes else None
         return InvalidEntry(message, request_id, reply_to, content_type if known else JSON,
-                            readable)
+                            readable, field=field, **reason)
 
     if content_type not in CONTENT_TYPES:
-        raise invalid(f"unknown content_type {content_type!r}; use one of {list(CONTENT_TYPES)}")
+        raise invalid(f"unknown content_type {content_type!r}; use one of {list(CONTENT_TYPES)}",
+                      "content_type")
     if payload is None:
-        raise invalid("entry has no 'payload' field")
+        raise invalid("entry has no 'payload' field", "payload")
     if len(payload) > max_payload_bytes:
-        raise invalid(f"payload is {len(payload)} bytes, above the limit of {max_payload_bytes}")
-    try:
-        deadline_ms = _integer(deadline, "deadline_ms")
-        priority_value = _integer(priority, "priority") or 0
-    except ValueError as exc:
-        raise invalid(str(exc)) from None
-    return Request(request_id, payload, content_type, reply_to, deadline_ms, priority_value)
+        raise invalid(f"payload is {len(payload)} bytes, above the limit of {max_payload_bytes}",
+                      "payload", reason="payload_too_large")
+    numbers: dict[str, int | None] = {}
+    for name, raw in (("deadline_ms", deadline), ("priority", priority)):
+        try:
+            numbers[name] = _integer(raw, name)
+        except ValueError as exc:
+            raise invalid(str(exc), name) from None
+    return Request(request_id, payload, content_type, reply_to, numbers["deadline_ms"],
+                   numbers["priority"] or 0)

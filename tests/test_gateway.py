@@ -340,12 +340,15 @@ def test_bad_http_input_then_still_serving(worker_factory: Any, gateway_factory:
         assert [len(item.embedding) for item in done.data] == [384, 384]
 
 
-def test_worker_invalid_request_is_400(worker_factory: Any, gateway_factory: Any) -> None:
-    """A payload above the worker's max_payload_bytes: the worker answers invalid_request."""
+def test_an_input_over_the_workers_payload_limit_is_413(worker_factory: Any,
+                                                         gateway_factory: Any) -> None:
+    """The worker answers invalid_request with reason payload_too_large: the gateway, which
+    does not know the worker's max_payload_bytes, answers 413 as for its own body limit."""
     with worker_factory(model="minilm", max_payload_bytes=64), gateway_factory() as base_url:
         error = assert_openai_error(post(base_url, {"model": "minilm", "input": "long " * 40}),
-                                    400, "invalid_request")
+                                    413, "payload_too_large")
     assert error["message"].startswith("worker: ") and error["param"] == "input"
+    assert "above the limit of 64" in error["message"]
 
 
 # --- Node.js: the official openai package -----------------------------------------------------

@@ -109,7 +109,7 @@ def test_responses() -> None:
     (ErrorCode.INTERNAL, 500), (ErrorCode.DEAD_LETTER, 500), ("something_new", 500),
 ])
 def test_worker_codes_map_to_statuses(code: str, status: int) -> None:
-    error = errors.from_worker(str(code), "why")
+    error = errors.from_worker({"code": str(code), "message": "why"})
     assert error.status == status and "why" in error.message
     body = error.body()["error"]
     assert set(body) == {"message", "type", "param", "code"} and body["code"]
@@ -148,6 +148,14 @@ def test_settings_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_shed_request_is_429_with_the_workers_retry_time() -> None:
     from producer.gateway.errors import from_worker
 
-    error = from_worker("overloaded", "over the latency target", retry_after_ms=1200)
+    error = from_worker({"code": "overloaded", "message": "over the latency target",
+                         "retry_after_ms": 1200})
     assert error.status == 429 and error.code == "overloaded"
     assert error.headers == {"Retry-After": "2"}
+
+
+def test_a_payload_over_the_workers_limit_is_413() -> None:
+    error = errors.from_worker({"code": "invalid_request", "message": "payload is 2000000 "
+                                "bytes", "field": "payload", "reason": "payload_too_large"})
+    assert (error.status, error.code, error.param) == (413, "payload_too_large", "input")
+    assert errors.from_worker(None).status == 500

@@ -105,20 +105,27 @@ def test_an_id_of_exactly_256_bytes_is_accepted() -> None:
     assert parse(id=b"i" * MAX_ID_BYTES, payload=b"x").id == "i" * MAX_ID_BYTES
 
 
-@pytest.mark.parametrize("fields, reason, reply_content_type", [
-    ({"content_type": b"text/csv", "payload": b"x"}, "unknown content_type", JSON),
-    ({}, "no 'payload'", MSGPACK),
-    ({"payload": b"x" * (LIMIT + 1)}, "above the limit", MSGPACK),
-    ({"payload": b"x", "deadline_ms": b"soon"}, "'deadline_ms' must be an integer", MSGPACK),
-    ({"payload": b"x", "priority": b"1.5"}, "'priority' must be an integer", MSGPACK),
-    ({"payload": b"x", "content_type": JSON.encode(), "priority": b"high"}, "'priority'", JSON),
+@pytest.mark.parametrize("fields, reason, reply_content_type, details", [
+    ({"content_type": b"text/csv", "payload": b"x"}, "unknown content_type", JSON,
+     {"field": "content_type"}),
+    ({}, "no 'payload'", MSGPACK, {"field": "payload"}),
+    ({"payload": b"x" * (LIMIT + 1)}, "above the limit", MSGPACK,
+     {"field": "payload", "reason": "payload_too_large"}),
+    ({"payload": b"x", "deadline_ms": b"soon"}, "'deadline_ms' must be an integer", MSGPACK,
+     {"field": "deadline_ms"}),
+    ({"payload": b"x", "priority": b"1.5"}, "'priority' must be an integer", MSGPACK,
+     {"field": "priority"}),
+    ({"payload": b"x", "content_type": JSON.encode(), "priority": b"high"}, "'priority'", JSON,
+     {"field": "priority"}),
 ])
 def test_malformed_entries_with_an_id_are_answered(fields: dict[str, bytes], reason: str,
-                                                   reply_content_type: str) -> None:
+                                                   reply_content_type: str,
+                                                   details: dict[str, str]) -> None:
     error = invalid(id=b"r1", reply_to=b"back", **fields)
     assert reason in str(error)
     assert (error.request_id, error.reply_to) == ("r1", "back")
     assert error.content_type == reply_content_type
+    assert error.details == details
 
 
 def test_msgpack_payload_bytes_are_kept_encoded() -> None:

@@ -110,10 +110,7 @@ async def embeddings(request: Request) -> Response:
     envelopes = await gateway.dispatcher.run(parsed.model, [{"text": t} for t in parsed.inputs])
     for envelope in envelopes:
         if not envelope.get("ok"):
-            error = envelope.get("error") or {}
-            retry = error.get("retry_after_ms")
-            raise errors.from_worker(str(error.get("code", "")), str(error.get("message", "")),
-                                     retry if isinstance(retry, int) else None)
+            raise errors.from_worker(envelope.get("error"))
     results = [envelope["result"] for envelope in envelopes]
     check_dimensions(parsed, len(embedding_of(results[0])))
     return JSONResponse(embeddings_response(parsed, results))

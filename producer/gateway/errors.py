@@ -58,12 +58,18 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_request
     return ApiError(400, message, code, param)
 
 
-def from_worker(code: str, message: str, retry_after_ms: int | None = None) -> ApiError:
-    """The ApiError for a worker's failure envelope; unknown codes are server errors. An
-    `overloaded` refusal carries the worker's retry_after_ms as Retry-After (whole s)."""
+def from_worker(error: Any) -> ApiError:
+    """The ApiError for a worker's failure envelope's `error`; unknown codes are server
+    errors. An `overloaded` refusal carries the worker's retry_after_ms as Retry-After
+    (whole s); a payload over the worker's `max_payload_bytes` is 413."""
+    error = error if isinstance(error, dict) else {}
+    code, message = str(error.get("code", "")), str(error.get("message", ""))
     status, api_code = WORKER_STATUS.get(code, (500, code or "internal_error"))
+    if error.get("reason") == "payload_too_large":
+        status, api_code = 413, "payload_too_large"
     param = "input" if status in (400, 413) else None
-    headers = {} if retry_after_ms is None else {"Retry-After": str(-(-retry_after_ms // 1000))}
+    retry = error.get("retry_after_ms")
+    headers = {} if not isinstance(retry, int) else {"Retry-After": str(-(-retry // 1000))}
     return ApiError(status, f"worker: {message}" if message else f"worker error {code}",
                     api_code, param, headers)
 

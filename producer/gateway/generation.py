@@ -59,13 +59,11 @@ def worker_error(envelope: dict[str, Any], param: str) -> ApiError:
     """A failure envelope as an ApiError. The param is the payload key the worker names
     (`field`) in the API's name, else the request's input field `param`."""
     error = envelope.get("error") or {}
-    retry = error.get("retry_after_ms")
-    api_error = errors.from_worker(str(error.get("code", "")), str(error.get("message", "")),
-                                   retry if isinstance(retry, int) else None)
+    api_error = errors.from_worker(error)
     if api_error.param != "input":
         return api_error
     field = error.get("field")
-    api_error.param = param if field in (None, "prompt", "messages") \
+    api_error.param = param if field in (None, "prompt", "messages", "payload") \
         else API_NAMES.get(field, str(field))
     if error.get("reason") == "context_window":
         api_error.code = "context_length_exceeded"  # OpenAI's code for a long prompt

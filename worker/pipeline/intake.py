@@ -153,7 +153,8 @@ class Intake:
         assert exc.request_id is not None and exc.reply_to is not None
         answer = Answer(entry_id, exc.reply_to, exc.content_type,
                         protocol.error_envelope(exc.request_id, ErrorCode.INVALID_REQUEST,
-                                                str(exc)), entry_time_ms(entry_id))
+                                                str(exc), **exc.details),
+                        entry_time_ms(entry_id))
         if self.model.generative:  # on its reply stream, where its reader waits
             request = Request(exc.request_id, exc.payload or b"", exc.content_type,
                               exc.reply_to)
