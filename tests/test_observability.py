@@ -262,3 +262,26 @@ def test_observe_all_counts_exactly_as_observe_does() -> None:
 
     assert samples("one_by_one") == samples("all_at_once")
     assert ("_count", {"m": "x"}, 10.0) in samples("all_at_once")
+
+
+def test_the_stats_tables_show_every_value_in_80_columns() -> None:
+    """Long texts wrap rather than cut (or squeeze a column to nothing)."""
+    from rich.console import Console
+
+    from worker.commands.stats import render
+    from worker.streams.queue_stats import ConsumerStats, StreamStats
+
+    latency = {"target_ms": 250.0, "observed_ms": 182.0, "percentile": 0.99, "margin_ms": 10.0}
+    consumer = ConsumerStats("redbatch-worker-5d8f7c9b6-x2k4p", 3, 1200,
+                             "2 instance(s) x 1 thread(s)", latency)
+    stats = StreamStats("minilm", 12345, 1000, 12, 99999, 3, [consumer])
+    for width in (80, 200):  # at 200, nothing wraps
+        console = Console(width=width, record=True)
+        console.print(render([(stats, 123.4)], "redbatch"))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width and "…" not in text
+        for value in ("12345", "1012", "123.4", "8 s", "1 s"):
+            assert f" {value} " in text, (width, value)
+    for value in ("redbatch-worker-5d8f7c9b6-x2k4p", "2 instance(s) x 1 thread(s)",
+                  "p99 182 of 250 ms, margin 10 ms"):
+        assert value in text, value

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -52,6 +53,9 @@ class StatsReader:
         return rows
 
 
+TABLE_BOX = box.SIMPLE_HEAD  # no column rules, so that the tables fit 80 columns
+
+
 def format_duration(seconds: float) -> str:
     if math.isinf(seconds):
         return "stalled"
@@ -74,18 +78,19 @@ def describe_latency(latency: dict[str, float] | None) -> str:
 
 
 def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
-    models = Table(title=f"redbatch queues (group '{group}')", title_justify="left")
+    models = Table(title=f"redbatch queues (group '{group}')", title_justify="left",
+                   box=TABLE_BOX)
     models.add_column("model", no_wrap=True)
     for column in ("length", "lag", "pending", "backlog", "consumers", "dead", "req/s",
                    "drain"):
-        models.add_column(column, justify="right")
-    consumers = Table(title="consumers", title_justify="left")
-    consumers.add_column("model", no_wrap=True)
-    consumers.add_column("consumer", no_wrap=True)
-    consumers.add_column("pending", justify="right")
-    consumers.add_column("idle", justify="right")
-    consumers.add_column("layout", no_wrap=True)
-    consumers.add_column("latency target", no_wrap=True)
+        models.add_column(column, justify="right", no_wrap=True, min_width=len(column))
+    consumers = Table(title="consumers", title_justify="left", box=TABLE_BOX)
+    consumers.add_column("model", no_wrap=True, min_width=6)
+    consumers.add_column("consumer", overflow="fold", min_width=8)  # long texts wrap when
+    consumers.add_column("pending", justify="right", no_wrap=True, min_width=7)  # narrow
+    consumers.add_column("idle", justify="right", no_wrap=True, min_width=6)
+    consumers.add_column("layout", min_width=14)
+    consumers.add_column("latency target", min_width=14)
     for stats, rate in rows:
         lag = f"≥{stats.lag}" if stats.lag_capped else str(stats.lag)
         drain = "—" if rate is None else format_duration(drain_seconds(stats.backlog, rate))
@@ -105,7 +110,7 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
 
 def shard_table(rows: list[tuple[StreamStats, float | None]]) -> Table:
     """On a Redis Cluster: each shard of each model, and the master that holds it."""
-    table = Table(title="shards (Redis Cluster)", title_justify="left")
+    table = Table(title="shards (Redis Cluster)", title_justify="left", box=TABLE_BOX)
     table.add_column("model", no_wrap=True)
     table.add_column("shard", justify="right")
     table.add_column("node", no_wrap=True)
