@@ -212,4 +212,5 @@ def test_the_timeout_cancels_the_generation(worker_factory: Callable[..., Any],
     assert ids
     if "within 0.4 s" in str(raised.value):  # the gateway's timeout came first
         assert r.get(protocol.cancel_key("redbatch", ids[0])) == b"1"
+        assert f"cancelled after {len(ids)} chunk(s) of text" in str(raised.value)
     assert 'redbatch_gateway_requests_total{route="/v1/completions",status="504"}' in metrics

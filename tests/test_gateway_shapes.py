@@ -126,6 +126,8 @@ def test_error_shapes() -> None:
     assert errors.unknown_model("x").status == 404
     assert errors.no_live_worker("x").status == 503
     assert errors.timed_out(0.5).status == 504
+    cut = errors.stream_timed_out(0.5, 3)
+    assert cut.status == 504 and "cancelled after 3 chunk(s)" in cut.message
     assert ApiError(418, "teapot").type == "invalid_request_error"
 
 

@@ -102,6 +102,12 @@ def timed_out(seconds: float) -> ApiError:
     return ApiError(504, f"no answer from the workers within {seconds:g} s", "timeout")
 
 
+def stream_timed_out(seconds: float, chunks: int) -> ApiError:
+    """The last event of a stream cut at the timeout, after the chunks already sent."""
+    return ApiError(504, f"the generation did not finish within {seconds:g} s: cancelled "
+                    f"after {chunks} chunk(s) of text", "timeout")
+
+
 # Fields redbatch does not implement, accepted at the value that changes nothing: clients
 # that send every field with its default still work.
 NEUTRAL_FIELDS: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0,

@@ -170,13 +170,14 @@ class StreamReply:
 
     async def events(self, entries: list[Entry]) -> AsyncIterator[bytes]:
         """SSE events until the done entry; cancels the generation unless it ended."""
-        finished = False
+        finished, sent = False, 0
         try:
             if self.request.kind == CHAT:
                 yield sse(self._chunk("", first=True))
             while entries:
                 for _, envelope in entries:
                     if envelope["type"] != "done":
+                        sent += 1
                         yield sse(self._chunk(str(envelope.get("text", ""))))
                         continue
                     finished = True  # deleted before the client can see the end
@@ -185,7 +186,7 @@ class StreamReply:
                         yield event
                     return
                 entries = await self.generations.read(self.key, entries[-1][0], self.deadline)
-            yield sse(errors.timed_out(self.generations.timeout_s).body())
+            yield sse(errors.stream_timed_out(self.generations.timeout_s, sent).body())
         finally:
             if not finished:  # the client went away, or the deadline passed
                 with anyio.CancelScope(shield=True):
