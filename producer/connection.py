@@ -134,10 +134,13 @@ def _sentinel_parts(target: Target, kwargs: dict[str, Any]) -> tuple[dict[str, A
     return master, to_sentinel
 
 
-def sync_client(url: str, cluster: bool = False, **kwargs: Any) -> Any:
+def sync_client(url: str, cluster: bool = False, password: str | None = None,
+                **kwargs: Any) -> Any:
     """A redis-py client for the URL in its mode; `kwargs` go to every connection (e.g.
-    socket_timeout, which must outlast any blocking command). Connects lazily."""
+    socket_timeout, which must outlast any blocking command); `password`, for a URL without
+    one (a separate setting: any characters, no URL encoding). Connects lazily."""
     target = parse_target(url, cluster)
+    kwargs = _with_password(target, password, kwargs)
     try:
         if target.mode == "sentinel":
             master, to_sentinel = _sentinel_parts(target, kwargs)
@@ -153,6 +156,16 @@ def sync_client(url: str, cluster: bool = False, **kwargs: Any) -> Any:
         raise ConnectionSettingsError(f"Redis URL {redacted(url)}: {exc}") from None
 
 
+def _with_password(target: Target, password: str | None,
+                   kwargs: dict[str, Any]) -> dict[str, Any]:
+    if password is None:
+        return kwargs
+    if target.options.get("password"):  # which one would win differs by mode: refuse both
+        raise ConnectionSettingsError(f"Redis URL {redacted(target.url)} has a password: "
+                                      "give it there or in redis_password, not both")
+    return {**kwargs, "password": password}
+
+
 def _cluster(url: str, kwargs: dict[str, Any]) -> redis.RedisCluster:
     try:
         return redis.RedisCluster.from_url(url, **kwargs)
@@ -166,9 +179,11 @@ def _check_options(pool: Any) -> None:
     pool.connection_class(**pool.connection_kwargs)
 
 
-def async_client(url: str, cluster: bool = False, **kwargs: Any) -> Any:
+def async_client(url: str, cluster: bool = False, password: str | None = None,
+                 **kwargs: Any) -> Any:
     """The asyncio twin of sync_client."""
     target = parse_target(url, cluster)
+    kwargs = _with_password(target, password, kwargs)
     try:
         if target.mode == "sentinel":
             master, to_sentinel = _sentinel_parts(target, kwargs)

@@ -35,6 +35,7 @@ from tests.conftest import (
 )
 from worker.app import StartupError, connect
 from worker.settings import load_settings
+from worker.streams.server import RedisServer
 
 
 def test_sentinel_url_is_read_whole() -> None:
@@ -73,6 +74,25 @@ def test_passwords_never_shown() -> None:
     with pytest.raises(ConnectionSettingsError) as caught:
         sync_client("redis+sentinel://u:pw@h:1/s/x")
     assert "pw" not in str(caught.value)
+
+
+def test_a_password_setting_authenticates_and_a_url_password_too_is_refused(
+        tmp_path: Path) -> None:
+    """The separate password (any characters, no URL encoding), on a Redis that requires
+    one: sync and async clients, and the worker's connect. With a password in the URL as
+    well, one clear line: which would win differs between redis-py's modes."""
+    password = "p@ss:w/rd #%"
+    with RedisServer(tmp_path / "redis") as server:
+        redis.Redis.from_url(server.url).config_set("requirepass", password)
+        assert sync_client(server.url, password=password).ping()
+        assert asyncio.run(async_client(server.url, password=password).ping())
+        connect(server.url, 100, password=password).close()
+        with pytest.raises(StartupError, match="cannot reach Redis"):
+            connect(server.url, 100, attempts=1)
+    for build in (sync_client, async_client):
+        with pytest.raises(ConnectionSettingsError, match="not both") as caught:
+            build("redis://:inurl@h:1/0", password=password)
+        assert "inurl" not in str(caught.value)
 
 
 def test_producer_cli_refuses_a_bad_url_in_one_line(capsys: pytest.CaptureFixture[str],

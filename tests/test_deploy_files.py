@@ -1049,13 +1049,14 @@ def test_sentinel_triggers_are_the_single_redis_ones(monkeypatch: pytest.MonkeyP
     [master] = {t["metadata"]["sentinelMaster"] for t in triggers}
     url = re.search(r"REDBATCH_REDIS_URL=(\S+)", (ROOT / KEDA_VARIANTS["sentinel"]).read_text())
     assert url, "the workers' URL is not in the file"
-    filled = url[1].replace("$(REDIS_PASSWORD)", "secret").replace(
-        "$(REDIS_ADDRESS)", "s1:26379,s2:26379,s3:26379")
+    filled = url[1].replace("$(REDIS_ADDRESS)", "s1:26379,s2:26379,s3:26379")
     target = parse_target(filled, False)
     assert (target.mode, target.service) == ("sentinel", master)
-    assert_settings_env({"REDBATCH_REDIS_URL": filled}, monkeypatch)
     env = env_of(worker_container()["env"])
-    assert {"$(REDIS_PASSWORD)", "$(REDIS_ADDRESS)"} <= set(re.findall(r"\$\(\w+\)", url[1]))
+    assert env["REDBATCH_REDIS_PASSWORD"] == "$(REDIS_PASSWORD)"  # the masters' password
+    assert_settings_env({"REDBATCH_REDIS_URL": filled, "REDBATCH_REDIS_PASSWORD": "secret"},
+                        monkeypatch)
+    assert set(re.findall(r"\$\(\w+\)", url[1])) == {"$(REDIS_ADDRESS)"}
     assert {"REDIS_PASSWORD", "REDIS_ADDRESS"} <= set(env)
 
 

@@ -147,6 +147,21 @@ def test_settings_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         load_gateway_settings(port="-1")
 
 
+def test_the_gateway_password_setting_reaches_its_client_and_child_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from producer.gateway.app import Gateway
+
+    monkeypatch.setenv("REDBATCH_REDIS_PASSWORD", "p@ss:w/rd")
+    settings = load_gateway_settings()
+    assert "p@ss" not in repr(settings)
+    assert as_environment(settings)["REDBATCH_REDIS_PASSWORD"] == "p@ss:w/rd"
+    pool = Gateway(settings).redis.connection_pool
+    assert pool.connection_kwargs["password"] == "p@ss:w/rd"
+    with pytest.raises(GatewaySettingsError) as raised:
+        load_gateway_settings(redis_password="")
+    assert "got" not in str(raised.value)
+
+
 def test_a_shed_request_is_429_with_the_workers_retry_time() -> None:
     from producer.gateway.errors import from_worker
 

@@ -8,7 +8,7 @@ import pytest
 
 from worker.cli import build_parser, setting_overrides
 from worker.models import create_model
-from worker.settings import Settings, SettingsError, load_settings
+from worker.settings import Settings, SettingsError, exported, load_settings
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -175,3 +175,18 @@ def test_a_rule_across_settings_does_not_print_them_with_their_secrets() -> None
                       memory_low_watermark=0.95, memory_high_watermark=0.9)
     assert "hunter2" not in str(raised.value)
     assert "memory_low_watermark must be below" in str(raised.value)
+
+
+def test_a_password_setting_needs_a_url_and_is_never_printed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SettingsError, match="redis_password needs redis_url"):
+        load_settings(redis_password="hunter2")
+    monkeypatch.setenv("REDBATCH_REDIS_PASSWORD", "hunter2")
+    settings = load_settings(redis_url="redis://127.0.0.1:6379/0")
+    assert settings.redis_secret == "hunter2"
+    assert "hunter2" not in repr(settings) and "hunter2" not in str(settings.model_dump())
+    assert exported(settings)["redis_password"] == "hunter2"  # for a child's environment
+    monkeypatch.setenv("REDBATCH_REDIS_PASSWORD", "")
+    with pytest.raises(SettingsError) as raised:
+        load_settings(redis_url="redis://127.0.0.1:6379/0")
+    assert "redis_password" in str(raised.value) and "got" not in str(raised.value)

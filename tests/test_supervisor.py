@@ -30,8 +30,8 @@ from tests.chaos import (
 )
 from tests.plugin_models import POISON
 from worker.settings import load_settings
-from worker.streams.server import free_port
-from worker.supervisor import child_settings, settings_flags
+from worker.streams.server import RedisServer, free_port
+from worker.supervisor import child_settings, secret_environment, settings_flags
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,8 @@ def kill_tree(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def test_children_get_their_slot_names_devices_and_every_setting() -> None:
+def test_children_get_their_slot_names_devices_and_every_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     settings = load_settings(None, model="echo", consumer="host-1", devices="cuda:0, cuda:1",
                              bucket_boundaries=[8, 16], model_options={"delay_ms": 1})
     first, second = child_settings(settings, "redis://h:1/0")
@@ -62,6 +63,8 @@ def test_children_get_their_slot_names_devices_and_every_setting() -> None:
     from worker.cli import build_parser, setting_overrides
 
     args = build_parser().parse_args(["run", *settings_flags(first)])
+    for name, value in secret_environment(first).items():  # redis_url, by environment
+        monkeypatch.setenv(name, value)
     assert load_settings(None, **setting_overrides(args)).model_dump() == first.model_dump()
     assert len(child_settings(load_settings(None, processes=3), "redis://h:1/0")) == 3
 
@@ -178,3 +181,46 @@ def test_poison_input_ends_in_the_dead_letter_stream(redis_url: str, r: redis.Re
         assert r.xrevrange(stream, count=1)[0][1][b"id"].decode() == ids[50]
     finally:
         kill_tree(supervisor.process)
+
+
+PASSWORD = "p@ss:w/rd #%?&"  # would break a URL: the password setting takes it as it is
+
+
+def test_the_password_setting_reaches_every_child_by_environment_only(tmp_path: Path) -> None:
+    """A Redis with requirepass; the password in REDBATCH_REDIS_PASSWORD, not in the URL.
+    Both children serve, `stats` reads, and no command line (`ps`) shows the password."""
+    with RedisServer(tmp_path / "redis") as server:
+        redis.Redis.from_url(server.url).config_set("requirepass", PASSWORD)
+        r = redis.Redis.from_url(server.url, password=PASSWORD)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "REDBATCH_REDIS_URL": server.url,
+               "REDBATCH_REDIS_PASSWORD": PASSWORD}
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--processes", "2", "--metrics-port", "0",
+             "--consumer", "pw", "--device", "cpu", *ECHO_FLAGS], cwd=ROOT, env=env,
+            stderr=(tmp_path / "supervisor.log").open("wb"))
+        try:
+            stream = stream_key("redbatch", "echo")
+            wait_until(lambda: bool(r.exists(stream)) and {c["name"].decode() for c in
+                       r.xinfo_consumers(stream, "workers")} == {"pw-0", "pw-1"}, 90,
+                       "both children reading")
+            assert Client(redis_client=r, model="echo").infer({"x": 1}, timeout=30) == {"x": 1}
+            for pid in [supervisor.pid, *children(supervisor.pid)]:
+                assert PASSWORD.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            stats = subprocess.run([sys.executable, "-m", "worker", "stats", "--json",
+                                    "--interval", "0"], cwd=ROOT, env=env,
+                                   capture_output=True, text=True, timeout=60)
+            assert stats.returncode == 0, stats.stderr
+            assert [m["model"] for m in json.loads(stats.stdout)["models"]] == ["echo"]
+            supervisor.send_signal(signal.SIGTERM)
+            assert supervisor.wait(30) == 0
+        finally:
+            kill_tree(supervisor)
+    assert PASSWORD not in (tmp_path / "supervisor.log").read_text()
+
+
+def test_secret_settings_go_to_children_by_environment() -> None:
+    settings = load_settings(None, redis_url="redis://h:1/0", redis_password=PASSWORD)
+    flags = settings_flags(settings)
+    assert "--redis-url" not in flags and "--redis-password" not in flags
+    assert secret_environment(settings) == {"REDBATCH_REDIS_URL": "redis://h:1/0",
+                                            "REDBATCH_REDIS_PASSWORD": PASSWORD}

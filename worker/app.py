@@ -63,13 +63,15 @@ class StartupError(Exception):
     """The worker cannot start; the message says why, for the user."""
 
 
-def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False) -> redis.Redis:
+def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False,
+            password: str | None = None) -> redis.Redis:
     """A client (single, Sentinel or Cluster: producer/connection.py) whose socket timeout
-    outlasts the blocking read; fails clearly if the URL is bad or Redis unreachable."""
+    outlasts the blocking read; fails clearly if the URL is bad or Redis unreachable.
+    `password`: Settings.redis_secret, for a URL without one."""
     try:
         client: redis.Redis = connection.sync_client(
             url, cluster, socket_timeout=block_ms / 1000 + 10, socket_connect_timeout=5,
-            health_check_interval=30, socket_read_size=1 << 20)
+            health_check_interval=30, socket_read_size=1 << 20, password=password)
     except connection.ConnectionSettingsError as exc:
         raise StartupError(str(exc)) from None
     except redis.RedisError as exc:  # a cluster client connects at once

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -34,6 +35,9 @@ class Settings(BaseSettings):
         "Redis to serve: redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/service"
         "[/db] or rediss+sentinel://; none starts an embedded one"))
     redis_cluster: bool = Field(False, description="redis_url is a seed node of a Redis Cluster")
+    redis_password: SecretStr | None = Field(None, min_length=1, description=(
+        "Redis AUTH password, in place of one in redis_url: any characters, no URL "
+        "encoding; kept out of logs and of child processes' command lines"))
     shards: int = Field(0, ge=0, description=(
         "Redis Cluster: streams per model; 0: the count published at <namespace>:shards:"
         "<model>, else 2 x the masters. A larger count than the published one raises it"))
@@ -167,6 +171,17 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _password_needs_a_url(self) -> Settings:
+        if self.redis_password is not None and not self.redis_url:
+            raise ValueError("redis_password needs redis_url: the embedded Redis has none")
+        return self
+
+    @property
+    def redis_secret(self) -> str | None:
+        """redis_password revealed, for the client (producer/connection.py)."""
+        return None if self.redis_password is None else self.redis_password.get_secret_value()
+
+    @model_validator(mode="after")
     def _derive_model_name(self) -> Settings:
         if not self.model_name:
             self.model_name = self.model.rpartition(":")[2].lower()
@@ -203,6 +218,21 @@ class WholeToml(TomlConfigSettingsSource):
         return _not_set_above(self, super().__call__())
 
 
+SECRET_SETTINGS = ("redis_url", "redis_password")  # a URL may hold a password too
+
+
+def exported(settings: Settings) -> dict[str, str]:
+    """Each set setting as text a flag or REDBATCH_* variable takes, secrets revealed: what
+    a child process is handed (secrets by environment only: a command line is public)."""
+    texts = {}
+    for name, value in settings.model_dump(mode="json").items():
+        if name == "redis_password" and settings.redis_password is not None:
+            value = settings.redis_password.get_secret_value()
+        if value is not None:
+            texts[name] = value if isinstance(value, str) else json.dumps(value)
+    return texts
+
+
 class SettingsError(Exception):
     """A setting could not be loaded; the message is meant for the user as it is."""
 
@@ -236,6 +266,9 @@ def describe_validation_error(exc: ValidationError) -> str:
             lines.append(f"unknown setting '{name}' (python -m worker run --help lists them)")
         elif not error["loc"]:  # a rule across settings: its input is all of them, secrets too
             lines.append(f"invalid settings: {error['msg']}")
+        elif name in SECRET_SETTINGS:
+            lines.append(f"invalid setting '{name}' (env REDBATCH_{name.upper()}): "
+                         f"{error['msg']}")
         else:
             lines.append(f"invalid setting '{name}' (env REDBATCH_{name.upper()}): "
                          f"{error['msg']}; got {error.get('input')!r}")

@@ -10,7 +10,6 @@ Their metrics are collected in a multiprocess directory and served here, summed.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -31,7 +30,7 @@ from worker.execution.cores import available_cores
 from worker.observe.endpoints import start_server
 from worker.policy.backoff import backoff_delays
 from worker.policy.layout import share_cores
-from worker.settings import Settings
+from worker.settings import SECRET_SETTINGS, Settings, exported
 
 log = structlog.get_logger("redbatch.supervisor")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without backoff
@@ -52,13 +51,19 @@ def child_settings(settings: Settings, url: str) -> list[Settings]:
 
 
 def settings_flags(settings: Settings) -> list[str]:
-    """Command-line flags that reproduce these settings exactly in a child process."""
+    """Command-line flags that reproduce these settings exactly in a child process, but for
+    the secrets (secret_environment)."""
     flags: list[str] = []
-    for name, value in settings.model_dump(mode="json").items():
-        if value is not None:
-            text = json.dumps(value) if isinstance(value, list | dict) else str(value)
+    for name, text in exported(settings).items():
+        if name not in SECRET_SETTINGS:
             flags += [f"--{name.replace('_', '-')}", text]
     return flags
+
+
+def secret_environment(settings: Settings) -> dict[str, str]:
+    """The secret settings as REDBATCH_* variables: `ps` shows a command line to anyone."""
+    return {f"REDBATCH_{name.upper()}": text for name, text in exported(settings).items()
+            if name in SECRET_SETTINGS}
 
 
 @dataclass
@@ -148,9 +153,10 @@ def supervise(settings: Settings) -> int:
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     try:
         with redis_url(settings) as url:
+            children = child_settings(settings, url)
             commands = [[sys.executable, "-m", "worker", "run", *settings_flags(child)]
-                        for child in child_settings(settings, url)]
-            supervisor = Supervisor(commands, env)
+                        for child in children]
+            supervisor = Supervisor(commands, {**env, **secret_environment(children[0])})
             try:
                 serve_metrics(metrics_dir, settings.metrics_host, settings.metrics_port,
                               supervisor)

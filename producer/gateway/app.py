@@ -44,7 +44,9 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.redis = connection.async_client(settings.redis_url)
+        secret = settings.redis_password
+        self.redis = connection.async_client(
+            settings.redis_url, password=None if secret is None else secret.get_secret_value())
         self.dispatcher = Dispatcher(self.redis, settings.namespace, settings.group,
                                      settings.max_backlog, settings.request_timeout_s)
         self.discovery = Discovery(self.redis, settings.namespace, settings.group,

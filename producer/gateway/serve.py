@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import uvicorn
+from pydantic import SecretStr
 
 from producer.gateway.settings import GatewaySettings, GatewaySettingsError, load_gateway_settings
 
@@ -36,6 +37,8 @@ def as_environment(settings: GatewaySettings) -> dict[str, str]:
     """The settings as REDBATCH_* variables, for uvicorn's child processes."""
     env = {}
     for name, value in settings.model_dump().items():
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
         if value is not None:
             env[f"REDBATCH_{name.upper()}"] = (",".join(value) if isinstance(value, list)
                                               else str(value))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.client import DEFAULT_URL
@@ -20,6 +20,8 @@ class GatewaySettings(BaseSettings):
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     redis_url: str = Field(DEFAULT_URL, description="the Redis the workers serve")
+    redis_password: SecretStr | None = Field(None, min_length=1, description=(
+        "Redis AUTH password, in place of one in redis_url (no URL encoding)"))
     namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
     group: str = Field(DEFAULT_GROUP, min_length=1)
     request_timeout_s: float = Field(30.0, gt=0, description=(
@@ -55,6 +57,7 @@ def load_gateway_settings(**overrides: Any) -> GatewaySettings:
     try:
         return GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        lines = [f"invalid setting '{'.'.join(map(str, e['loc']))}': {e['msg']}; "
-                 f"got {e.get('input')!r}" for e in exc.errors()]
+        lines = [f"invalid setting '{'.'.join(map(str, e['loc']))}': {e['msg']}"
+                 + ("" if "redis" in str(e["loc"]) else f"; got {e.get('input')!r}")
+                 for e in exc.errors()]  # no secret printed
         raise GatewaySettingsError("\n".join(lines)) from None

@@ -24,7 +24,8 @@ def run_dead_letters(settings: Settings, limit: int, requeue: Sequence[str],
                      requeue_all: bool) -> int:
     """List the oldest `limit` dead letters; with `requeue`, put those back on the stream."""
     with redis_url(settings) as url:
-        client = connect(url, settings.block_ms, cluster=settings.redis_cluster)
+        client = connect(url, settings.block_ms, cluster=settings.redis_cluster,
+                         password=settings.redis_secret)
         queues = dead_letter_queues(client, settings.namespace, settings.model_name)
         listed = [DeadLetter(tagged(d.id, shard) if shard is not None else d.id, d.fields)
                   for shard, (dead, _) in queues.items()

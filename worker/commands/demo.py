@@ -17,10 +17,11 @@ from typing import Any
 
 import redis
 
+from producer import connection
 from producer.cli import run_requests
 from producer.client import Client
 from worker.app import StartupError, redis_url
-from worker.settings import Settings
+from worker.settings import Settings, exported
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sentences.txt"
 QUERIES = ("How do I read a compressed file?", "Run a function in another thread.")
@@ -28,11 +29,8 @@ QUERIES = ("How do I read a compressed file?", "Run a function in another thread
 
 def settings_env(settings: Settings, url: str, consumer: str) -> dict[str, str]:
     """The demo's settings handed to the worker process as REDBATCH_* variables."""
-    env = dict(os.environ)
-    for name, value in settings.model_dump(mode="json").items():
-        if value is not None:  # unset optional settings keep their defaults
-            env[f"REDBATCH_{name.upper()}"] = (value if isinstance(value, str)
-                                               else json.dumps(value))
+    env = dict(os.environ)  # unset optional settings keep their defaults
+    env.update({f"REDBATCH_{name.upper()}": text for name, text in exported(settings).items()})
     env["REDBATCH_REDIS_URL"] = url
     env["REDBATCH_CONSUMER"] = consumer
     return env
@@ -104,10 +102,13 @@ def run_demo(settings: Settings, sentences: Path | None, count: int) -> int:
         worker = subprocess.Popen([sys.executable, "-m", "worker", "run"],
                                   env=settings_env(settings, url, consumer))
         try:
-            client = Client(url, settings.model_name, namespace=settings.namespace)
+            client = Client(url, settings.model_name, namespace=settings.namespace,
+                            redis_client=connection.sync_client(
+                                url, settings.redis_cluster, password=settings.redis_secret))
             print(f"Waiting for the {settings.model} worker to load its model...", flush=True)
             wait_until_serving(client.redis, client.stream, settings.group, consumer, worker)
-            print(f"Embedding {len(texts)} texts from {source.name} through {url}", flush=True)
+            print(f"Embedding {len(texts)} texts from {source.name} through "
+                  f"{connection.redacted(url)}", flush=True)
             summary = run_requests(client, [{"text": t} for t in texts], timeout=600,
                                    progress=sys.stderr.isatty())
             show_results(texts, summary.envelopes, client)

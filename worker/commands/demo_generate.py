@@ -175,7 +175,8 @@ def run_generate_demo(settings: Settings, prompts_file: Path | None = None, coun
         consumer = f"demo-{os.getpid()}"
         worker = subprocess.Popen([sys.executable, "-m", "worker", "run"],
                                   env=settings_env(settings, url, consumer))
-        client = connection.sync_client(url, settings.redis_cluster, socket_timeout=30)
+        client = connection.sync_client(url, settings.redis_cluster, socket_timeout=30,
+                                        password=settings.redis_secret)
         try:
             print(f"Waiting for the {settings.model} worker to load its model...", flush=True)
             wait_until_serving(client, protocol.stream_key(settings.namespace,

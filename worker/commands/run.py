@@ -74,7 +74,8 @@ def serve(settings: Settings) -> int:
     readiness = Readiness()
     serve_metrics(settings, readiness)  # first, so /healthz answers while the model loads
     with redis_url(settings) as url:
-        client = connect(url, settings.block_ms, cluster=settings.redis_cluster)
+        client = connect(url, settings.block_ms, cluster=settings.redis_cluster,
+                         password=settings.redis_secret)
         worker = build_worker(settings, client)
         freeze_heap()
         sampler = Sampler(worker, client).start()

@@ -142,7 +142,7 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
         return 2
     try:
         client = sync_client(settings.redis_url, settings.redis_cluster, socket_timeout=10,
-                             socket_connect_timeout=5)
+                             socket_connect_timeout=5, password=settings.redis_secret)
     except ConnectionSettingsError as exc:
         print(f"redbatch: {exc}", file=sys.stderr)
         return 2
