@@ -159,11 +159,17 @@ def compute_per_phase(served: Sequence[Sample], sent_at: Sequence[float],
     return [round(statistics.median(t), 2) if t else None for t in times]
 
 
-def refusals(refused: Sequence[Sample]) -> dict[str, Any]:
-    """How many were refused, and how fast the refusals came back."""
+REFUSAL_BAR = 0.05  # G3: a refusal is answered within 0.05 x T of its arrival
+
+
+def refusals(refused: Sequence[Sample], target_ms: float) -> dict[str, Any]:
+    """How many were refused, how fast the refusals came back, and what share of them
+    within G3's bar (0.05 x T)."""
     xadd = [one.xadd_ms for one in refused]
+    within = sum(1 for x in xadd if x <= REFUSAL_BAR * target_ms)
     return {"refused": len(refused), "refusal_p99_ms": round(percentile(xadd, 0.99), 1),
             "refusal_max_ms": round(max(xadd, default=0.0), 1),
+            "refused_within_bar": round(within / len(xadd), 5) if xadd else None,
             "client_refusal_p99_ms": round(percentile([o.client_ms for o in refused], 0.99), 1)}
 
 
@@ -196,7 +202,7 @@ def summarise(samples: Sequence[Sample], sent_at: Sequence[float], phases: Seque
            "p50_ms": round(statistics.median(served_ms), 2) if served_ms else None,
            "p99_ms": round(percentile(served_ms, 0.99), 1),
            "compute_ms_per_phase": compute_per_phase(served, sent_at, phases),
-           **refusals([one for one in samples if not one.envelope["ok"]]),
+           **refusals([one for one in samples if not one.envelope["ok"]], target_ms),
            "unanswered": len(sent_at) - len(samples),
            "admitted_within_t": round(sum(1 for s in served_ms if s <= target_ms)
                                       / max(1, len(served_ms)), 4),

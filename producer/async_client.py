@@ -20,6 +20,7 @@ import producer.client as base
 from producer import connection, protocol
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, ShardCycle, published_shards
 from producer.errors import Overloaded, ResultTimeout, unwrap
+from producer.replicas import AUTO, ReplicaCount
 
 
 class AsyncClient(base._Base):
@@ -30,10 +31,10 @@ class AsyncClient(base._Base):
                  content_type: str = protocol.MSGPACK,
                  redis_client: aioredis.Redis | None = None,
                  max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP,
-                 cluster: bool = False, replicas_to_wait: int = connection.AUTO,
+                 cluster: bool = False, replicas_to_wait: int = AUTO,
                  replicas_wait_ms: int = 100) -> None:
         super().__init__(model, namespace, content_type, max_backlog, group,
-                         connection.ReplicaCount(replicas_to_wait, replicas_wait_ms))
+                         ReplicaCount(replicas_to_wait, replicas_wait_ms))
         self.redis = redis_client or connection.async_client(url, cluster)
         self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
         self._add_once = self.redis.register_script(ADD_ONCE)

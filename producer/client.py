@@ -24,6 +24,7 @@ from producer.errors import (  # noqa: F401 (re-exported: callers import them fr
     ResultTimeout,
     unwrap,
 )
+from producer.replicas import AUTO, ReplicaCount
 from producer.sharded import REMEMBERED_REPLY_KEYS, ShardedSubmit, Sharding  # noqa: F401
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -61,7 +62,7 @@ class _Base(Sharding):
 
     def __init__(self, model: str, namespace: str, content_type: str,
                  max_backlog: int | None, group: str,
-                 replicas: connection.ReplicaCount | None = None) -> None:
+                 replicas: ReplicaCount | None = None) -> None:
         super().__init__()
         if content_type not in protocol.CONTENT_TYPES:
             raise ValueError(f"content_type must be one of {protocol.CONTENT_TYPES}")
@@ -73,8 +74,8 @@ class _Base(Sharding):
         self.stream = protocol.stream_key(namespace, model)
         self.max_backlog = max_backlog
         self.group = group
-        # WAIT after each write for this many replicas (producer/connection.py ReplicaCount)
-        self.replicas = replicas or connection.ReplicaCount(0)
+        # WAIT after each write for this many replicas (producer/replicas.py)
+        self.replicas = replicas or ReplicaCount(0)
         self.short_waits = 0  # writes a WAIT reported short of replicas (each resubmitted)
 
     def _once_call(self, ids: Sequence[str], entries: list[Any],
@@ -94,7 +95,7 @@ class _Base(Sharding):
 
     def _replicated(self, result: list[Any], acked: int, wanted: int,
                     submitted: Sequence[str],
-                    replicas: connection.ReplicaCount | None = None) -> bool:
+                    replicas: ReplicaCount | None = None) -> bool:
         """Whether an ADD_ONCE + WAIT is done: Overloaded if refused; a short WAIT is
         counted and means send again."""
         self._accepted(result, submitted)
@@ -145,14 +146,14 @@ class Client(ShardedSubmit, _Base):
                  content_type: str = protocol.MSGPACK,
                  redis_client: redis.Redis | None = None,
                  max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP,
-                 cluster: bool = False, replicas_to_wait: int = connection.AUTO,
+                 cluster: bool = False, replicas_to_wait: int = AUTO,
                  replicas_wait_ms: int = 100) -> None:
         """`max_backlog`: refuse (Overloaded) when the group's backlog would pass it.
         `url`: any form producer/connection.py reads (Sentinel, TLS; `cluster` for a seed
         node). `replicas_to_wait`: WAIT for that many replicas after each XADD, and send
         again (idempotently) when it comes back short; -1: 1 while the master has one."""
         super().__init__(model, namespace, content_type, max_backlog, group,
-                         connection.ReplicaCount(replicas_to_wait, replicas_wait_ms))
+                         ReplicaCount(replicas_to_wait, replicas_wait_ms))
         self.redis = redis_client or connection.sync_client(url, cluster)
         self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
         self._add_once = self.redis.register_script(ADD_ONCE)

@@ -6,7 +6,9 @@ Three modes:
 - Sentinel: `redis+sentinel://[user:pass@]host:port[,host:port...]/<service>[/<db>]`
   (`rediss+sentinel://` for TLS, to the sentinels and to the master), through redis-py's
   `Sentinel(...).master_for(service)`: the client asks the sentinels for the master on
-  every new connection, so it follows a failover;
+  every new connection, so it follows a failover. The credentials are the master's; sentinels
+  that demand their own (`requirepass` in sentinel.conf) take `?sentinel_password=...`
+  (and `sentinel_username`);
 - Cluster (`cluster=True`): the URL is one seed node of a Redis Cluster, through redis-py's
   `RedisCluster`.
 
@@ -18,7 +20,7 @@ nothing from `worker/`.
 
 from __future__ import annotations
 
-import time
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -50,13 +52,17 @@ class Target:
     options: dict[str, Any] = field(default_factory=dict)  # query args, credentials, db
 
 
+SENTINEL_CREDENTIALS = {"sentinel_username": "username", "sentinel_password": "password"}
+
+
 def redacted(url: str) -> str:
-    """The URL with its password replaced by ***, for messages and logs."""
+    """The URL with its passwords (the master's, the sentinels') replaced by ***, for
+    messages and logs."""
     parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
+    if parts.password:
+        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+    query = re.sub(r"(?i)(\bsentinel_password=)[^&]*", r"\1***", parts.query)
+    return parts._replace(query=query).geturl()
 
 
 def parse_target(url: str, cluster: bool = False) -> Target:
@@ -131,6 +137,9 @@ def _sentinel_parts(target: Target, kwargs: dict[str, Any]) -> tuple[dict[str, A
         master["ssl"] = True
     to_sentinel = {k: v for k, v in master.items()
                    if k.startswith(("socket_", "ssl")) or k == "health_check_interval"}
+    for name, key in SENTINEL_CREDENTIALS.items():
+        if name in master:
+            to_sentinel[key] = master.pop(name)
     return master, to_sentinel
 
 
@@ -250,51 +259,3 @@ async def follow_cluster_async(client: Any, exc: Exception) -> None:
         await client.nodes_manager.initialize()
     except (redis.RedisError, redis.exceptions.RedisClusterException):
         pass  # no node answers yet: the next retry tries again
-
-
-AUTO = -1  # replicas_to_wait: 1 when the master has a connected replica, else 0
-AUTO_REFRESH_S = 30.0
-
-
-def connected_replicas(info: dict[str, Any]) -> int:
-    """`INFO replication`'s count of replicas connected to this master (0 on a replica)."""
-    if info.get("role") != "master":
-        return 0
-    return int(info.get("connected_slaves", 0))
-
-
-class ReplicaCount:
-    """How many replicas a WAIT after each write asks for: the setting, or with AUTO one
-    while the master has a connected replica (read again every AUTO_REFRESH_S and after a
-    short WAIT, so a failover to a master without replicas stops waiting). On a cluster,
-    count() takes the node client of the write's slot (node_client), one ReplicaCount per
-    shard; given the cluster client itself it answers 0."""
-
-    def __init__(self, configured: int, timeout_ms: int = 100) -> None:
-        self.configured = configured
-        self.timeout_ms = timeout_ms
-        self._auto = 0
-        self._read_at = -float("inf")
-
-    def needs_reading(self) -> bool:
-        return self.configured == AUTO and time.monotonic() - self._read_at > AUTO_REFRESH_S
-
-    def update(self, info: dict[str, Any]) -> None:
-        self._auto = min(1, connected_replicas(info))
-        self._read_at = time.monotonic()
-
-    def short(self) -> None:
-        """A WAIT came back short: with AUTO, read the master's replicas again next time
-        (after a failover the new master may have none left to wait for)."""
-        self._read_at = -float("inf")
-
-    def current(self) -> int:
-        return self._auto if self.configured == AUTO else self.configured
-
-    def count(self, client: Any) -> int:
-        """The count now, reading the master's INFO when AUTO is due (sync clients)."""
-        if is_cluster_client(client):
-            return 0
-        if self.needs_reading():
-            self.update(client.info("replication"))
-        return self.current()

@@ -15,6 +15,7 @@ from typing import Any
 from producer import connection, protocol, shards
 from producer.backlog import ShardCycle, shard_count, submitted_key
 from producer.errors import Overloaded, RedbatchError
+from producer.replicas import ReplicaCount
 
 # Cluster mode: default reply keys kept for wait() (producer.client re-exports the name; set
 # it here, where it is read).
@@ -28,11 +29,11 @@ class Sharding:
     model: str
     stream: str
     max_backlog: int | None
-    replicas: connection.ReplicaCount
+    replicas: ReplicaCount
 
     def __init__(self) -> None:
         self.cycle: ShardCycle | None = None  # on a cluster: the shards, round-robin
-        self._shard_replicas: dict[int, connection.ReplicaCount] = {}
+        self._shard_replicas: dict[int, ReplicaCount] = {}
         self._reply_keys: dict[str, str] = {}  # on a cluster: request id -> its reply key
 
     def _shard_over(self, client: Any) -> None:
@@ -41,11 +42,11 @@ class Sharding:
             shards.check_cluster_names(self.namespace, self.model)
             self.cycle = ShardCycle(shard_count(client, self.namespace, self.model))
 
-    def _replicas_of(self, shard: int | None) -> connection.ReplicaCount:
+    def _replicas_of(self, shard: int | None) -> ReplicaCount:
         """One ReplicaCount per shard on a cluster (each shard's master has its own)."""
         if shard is None:
             return self.replicas
-        return self._shard_replicas.setdefault(shard, connection.ReplicaCount(
+        return self._shard_replicas.setdefault(shard, ReplicaCount(
             self.replicas.configured, self.replicas.timeout_ms))
 
     def _stream_of(self, shard: int | None) -> str:

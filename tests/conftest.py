@@ -229,8 +229,10 @@ class RedisNode:
     file, on a free port; TLS-only when given TlsFiles."""
 
     def __init__(self, binary: Path, directory: Path, lines: list[str],
-                 tls: TlsFiles | None = None, sentinel: bool = False) -> None:
+                 tls: TlsFiles | None = None, sentinel: bool = False,
+                 password: str | None = None) -> None:
         self.binary, self.dir, self.tls, self.sentinel = binary, directory, tls, sentinel
+        self.password = password  # its requirepass, for client()
         self.port = bus_safe_port()
         self.dir.mkdir(parents=True, exist_ok=True)
         ports = ["port 0", f"tls-port {self.port}", *tls.server_lines()] if tls else \
@@ -242,7 +244,8 @@ class RedisNode:
 
     def client(self, **kwargs: Any) -> redis.Redis:
         tls = self.tls.client_kwargs() if self.tls else {}
-        return redis.Redis(port=self.port, **{"socket_timeout": 5, **tls, **kwargs})
+        return redis.Redis(port=self.port, password=self.password,
+                           **{"socket_timeout": 5, **tls, **kwargs})
 
     def start(self, timeout_s: float = 10.0) -> RedisNode:
         args = [str(self.binary), str(self.conf), *(["--sentinel"] if self.sentinel else [])]
@@ -339,15 +342,20 @@ def master_replica(binary: Path, directory: Path,
 
 
 @contextmanager
-def sentinel_rig(binary: Path, directory: Path, tls: TlsFiles | None = None
-                 ) -> Iterator[SentinelRig]:
+def sentinel_rig(binary: Path, directory: Path, tls: TlsFiles | None = None,
+                 sentinel_password: str | None = None) -> Iterator[SentinelRig]:
+    """`sentinel_password`: the sentinels' own requirepass (the master has none)."""
     master, replica = master_replica(binary, directory, tls)
     monitor = [f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master.port} 2",
                f"sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000",
                f"sentinel failover-timeout {SENTINEL_SERVICE} 3000",
                f"sentinel parallel-syncs {SENTINEL_SERVICE} 1"]
+    if sentinel_password:  # each sentinel demands it, and gives it to the others
+        monitor += [f"requirepass {sentinel_password}",
+                    f"sentinel sentinel-pass {sentinel_password}"]
     rig = SentinelRig(master, replica, [
-        RedisNode(binary, directory / f"sentinel{i}", monitor, tls, sentinel=True).start()
+        RedisNode(binary, directory / f"sentinel{i}", monitor, tls, sentinel=True,
+                  password=sentinel_password).start()
         for i in range(3)])
     try:
         wait_until(rig.converged, 20, "the sentinels did not find each other")

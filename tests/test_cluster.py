@@ -21,7 +21,7 @@ import redis
 
 from producer import AsyncClient, Client, Overloaded, protocol
 from producer.backlog import ShardCycle
-from producer.connection import ReplicaCount
+from producer.replicas import ReplicaCount
 from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
 from tests.conftest import wait_until
 from worker.streams.replier import Reply

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from producer import Client, protocol
-from producer.connection import ReplicaCount
+from producer.replicas import ReplicaCount
 from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
 from tests.conftest import wait_until
 from tests.test_cluster import worker_process

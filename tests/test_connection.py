@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -19,12 +20,12 @@ from producer import AsyncClient, Client, cli
 from producer.backlog import ADD_ONCE, add_once_arguments, submitted_key
 from producer.connection import (
     ConnectionSettingsError,
-    ReplicaCount,
     async_client,
     parse_target,
     redacted,
     sync_client,
 )
+from producer.replicas import ReplicaCount
 from tests.conftest import (
     RedisNode,
     SentinelRig,
@@ -71,6 +72,8 @@ def test_bad_urls_give_one_clear_line(url: str, cluster: bool, says: str) -> Non
 
 def test_passwords_never_shown() -> None:
     assert redacted("redis+sentinel://u:pw@h:1/s") == "redis+sentinel://u:***@h:1/s"
+    assert redacted("redis+sentinel://h:1/s?socket_timeout=2&sentinel_password=pw&db=1") == \
+        "redis+sentinel://h:1/s?socket_timeout=2&sentinel_password=***&db=1"
     with pytest.raises(ConnectionSettingsError) as caught:
         sync_client("redis+sentinel://u:pw@h:1/s/x")
     assert "pw" not in str(caught.value)
@@ -190,6 +193,20 @@ def test_tls_single_redis(tls_redis: RedisNode, tls_files: TlsFiles) -> None:
     untrusted = f"rediss://127.0.0.1:{tls_redis.port}/0"  # the test CA is not trusted
     with pytest.raises(StartupError, match="cannot reach Redis"):
         connect(untrusted, 100, attempts=1)
+
+
+def test_sentinels_with_their_own_password(redis7: Path, tmp_path: Path) -> None:
+    """Sentinels with requirepass (as Bitnami's chart sets them up): `sentinel_password` in
+    the URL authenticates to them, and the master is reached without it."""
+    secret = "s3cr&t+=/"  # URL-encoded in the query
+    with sentinel_rig(redis7, tmp_path, sentinel_password=secret) as rig:
+        with pytest.raises(StartupError, match="cannot reach Redis"):
+            connect(rig.url(), 100, attempts=1)  # the sentinels refuse us without it
+        url = f"{rig.url()}?sentinel_password={quote(secret, safe='')}"
+        round_trip(url)
+        with pytest.raises(ConnectionSettingsError) as caught:
+            sync_client(f"{url}&no_such_option=1")
+        assert "cr&t" not in str(caught.value) and "sentinel_password=***" in str(caught.value)
 
 
 def test_tls_through_sentinel(redis7: Path, tls_files: TlsFiles, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from bench.latency_bench_goals import (
     sized_payload,
 )
 from bench.latency_bench_report import g4_settled, g5_met, render
+from bench.latency_open_loop import Sample, refusals
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,6 +138,14 @@ def test_the_rules_of_g4_and_g5() -> None:
     assert g5_met(fed, 100) == (True, True)
     assert g5_met({**fed, "1": {"p99_ms": 120.0, "sent": 5, "served": 4}}, 100) == (False,
                                                                                  False)
+
+
+def test_g3_counts_the_refusals_within_its_bar() -> None:
+    refused = [Sample(i, ms, ms, {"ok": False}) for i, ms in enumerate([1.0, 4.9, 5.0, 6.5])]
+    stats = refusals(refused, target_ms=100)
+    assert stats["refused"] == 4 and stats["refusal_max_ms"] == 6.5
+    assert stats["refused_within_bar"] == 0.75  # 5 ms = 0.05 x 100 is within; 6.5 is not
+    assert refusals([], target_ms=100)["refused_within_bar"] is None
 
 
 def run_benchmark(tmp_path: Path, *args: str) -> dict[str, Any]:

@@ -7,13 +7,8 @@ import random
 
 import pytest
 
-from worker.policy.latency import (
-    LATENCY_WINDOW_MS,
-    ArrivalRate,
-    LatencyPolicy,
-    Member,
-    SafetyMargin,
-)
+from worker.policy.feedback import LATENCY_WINDOW_MS, ArrivalRate, SafetyMargin
+from worker.policy.latency import Admission, LatencyPolicy, Member
 from worker.policy.service_time import CostFit, ServiceTimeModel, WindowQuantile
 
 NOW = 1_700_000_000_000
@@ -189,14 +184,40 @@ def test_a_margin_raised_by_a_burst_cannot_shed_every_request_for_good() -> None
     policy = trained(fixed=50.0, shed=True)
     for step in range(20):
         policy.answered(NOW + 300 * step, [1700.0] * 50)
+        policy.finished(0, 0, 32, 1, 40.0, NOW + 300 * step)  # batches ran: no probe due
     assert policy.margin.ms == pytest.approx(60.0)
     last = NOW + 300 * 19
     assert not policy.admit(Member(last, None, 1), 0, last, queued_ms=0.0).admit
     later = last + LATENCY_WINDOW_MS - 300
+    policy.finished(0, 0, 32, 1, 40.0, later - 50)
     assert not policy.admit(Member(later, None, 1), 0, later, queued_ms=0.0).admit
     after = last + LATENCY_WINDOW_MS + 300
     assert policy.admit(Member(after, None, 1), 0, after, queued_ms=0.0).admit
     assert policy.margin.ms == 0.0
+
+
+def test_an_idle_device_admits_a_probe_per_target_so_a_bad_prediction_is_corrected() -> None:
+    """A model fitted on an outlier (a cold run of 900 ms here) predicts every
+    request late, and refusing them all would observe nothing to correct it. With nothing
+    queued and no batch run for a whole target, one request per target is admitted."""
+    policy = LatencyPolicy(100.0, 0.99, buckets=1, shed_over_target=True)
+    policy.model.observe(0, 1, 1, 900.0)
+    first = policy.admit(Member(NOW, None, 1), 0, NOW, queued_ms=0.0)
+    assert first.admit and first.probe
+    assert not policy.admit(Member(NOW + 5, None, 1), 0, NOW + 5, queued_ms=0.0).admit
+    policy.started(0, 0, 1, 1, NOW + 10)
+    policy.finished(0, 0, 1, 1, 11.0, NOW + 21)
+    assert not policy.admit(Member(NOW + 90, None, 1), 0, NOW + 90, queued_ms=0.0).admit
+    second = policy.admit(Member(NOW + 125, None, 1), 0, NOW + 125, queued_ms=0.0)
+    assert second.admit and second.probe  # a target after the last batch ended
+    with_deadline = policy.admit(Member(NOW + 300, NOW + 400, 1), 0, NOW + 300, queued_ms=0.0)
+    assert with_deadline.admit and with_deadline.probe  # fail-fast rests on it too
+    queued = policy.admit(Member(NOW + 900, None, 1), 0, NOW + 900, queued_ms=5.0)
+    assert not queued.admit  # work is waiting: it will be observed, no probe needed
+    for _ in range(8):  # the probes' answers bring the prediction down
+        policy.model.observe(0, 1, 1, 11.0)
+    assert policy.admit(Member(NOW + 950, None, 1), 0, NOW + 950, queued_ms=0.0) == \
+        Admission(True, predicted_ms=policy.model.predict_ms(0, 1, 1))
 
 
 def test_old_answers_leave_the_observed_window() -> None:

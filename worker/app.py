@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from producer import connection, protocol
+from producer.replicas import ReplicaCount
 from worker.execution.calibration import (
     CalibrationError,
     Observe,
@@ -188,7 +189,7 @@ def generation_parts(settings: Settings, model: Model, client: redis.Redis,
         if connection.is_cluster_client(client) else TokenStreams(
             client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
             protocol.answered_key(settings.namespace, settings.model_name), settings.model_name,
-            connection.ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
+            ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
     return GenerationParts(model.engine(), DecodingScheduler(model.scheduler_limits()),
                            streams)
 
@@ -230,7 +231,7 @@ def redis_parts(settings: Settings, client: redis.Redis,
         reader=StreamReader(client, stream, group, consumer),
         replier=Replier(client, stream, group, consumer, settings.result_ttl_ms,
                         protocol.answered_key(settings.namespace, name),
-                        replicas=connection.ReplicaCount(settings.replicas_to_wait,
+                        replicas=ReplicaCount(settings.replicas_to_wait,
                                                          settings.replicas_wait_ms)),
         reclaimer=reclaimer,
         dead_letters=DeadLetters(
@@ -272,15 +273,14 @@ def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence
 
 
 def build_worker(settings: Settings, client: redis.Redis) -> Worker:
-    """Load the model, assemble the worker, and warm it up."""
+    """Load the model, assemble and warm up the worker (a target's model: merge runs only)."""
     model, device = load_model(settings)
     worker = assemble_worker(settings, model, Executor(model, device), client,
                              calibrated=load_batch_sizes(settings, device))
     if settings.warmup:
-        # with a latency target, the warm-up's timed runs are its service-time model's first
-        observe = worker.intake.targeted.policy.model.observe \
-            if settings.latency_target_ms else None
-        warm_up(worker.runner, model, worker.batcher.boundaries, observe)
+        policy = worker.intake.targeted.policy
+        observe = policy.model.observe if settings.latency_target_ms else None
+        warm_up(worker.runner, model, worker.batcher.boundaries)
         if settings.merge_tokens is None and worker.batcher.boundaries:
             measure_merge(worker, model, observe)
     return worker

@@ -10,7 +10,9 @@ percentile of end-to-end latency (the answers of the last 10 s): up fast when ov
 target, down slowly when well under, and back to 0 when nothing was answered for 10 s;
 while it is over, no batch is cut (throughput is what brings latency back). A request
 predicted to miss its own deadline is answered at once; with `shed_over_target`, so is one
-predicted to miss the target.
+predicted to miss the target. Such refusals rest on predictions, and refusing everything
+would leave nothing served to correct them; so while nothing is queued and no batch has
+started or finished for a whole target, one request per target is admitted as a probe.
 
 Pure: times in Unix milliseconds are passed in; the worker and the simulator both drive it.
 """
@@ -21,16 +23,9 @@ from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.policy.service_time import ServiceTimeModel, WindowQuantile
+from worker.policy.feedback import ArrivalRate, SafetyMargin
+from worker.policy.service_time import ServiceTimeModel
 
-MARGIN_UP = 0.10  # of the target, per update while the observed percentile is over it
-MARGIN_DOWN = 0.01  # of the target, per update while it is under MARGIN_CALM x the target
-MARGIN_CALM = 0.8
-MARGIN_MAX = 0.6  # of the target: beyond this the target itself is out of reach
-MARGIN_UPDATE_MS = 250.0
-LATENCY_WINDOW = 1000  # answers in the observed percentile's window, at most
-LATENCY_WINDOW_MS = 10_000.0  # and none older than this
-RATE_HALF_LIFE_MS = 1000.0
 STALE_SENT_MS = 10_000.0  # a batch sent and never started (its members all expired) is dropped
 
 
@@ -70,66 +65,7 @@ class Admission:
     retry_after_ms: int = 0
     waited_ms: float = 0.0  # overloaded: since its XADD, and the margin kept below the target
     margin_ms: float = 0.0
-
-
-class ArrivalRate:
-    """Arrivals per ms, an exponentially decaying count (pure: times passed in)."""
-
-    def __init__(self, half_life_ms: float = RATE_HALF_LIFE_MS) -> None:
-        self.half_life_ms = half_life_ms
-        self.weight = 0.0
-        self.last_ms: float | None = None
-
-    def _decayed(self, now_ms: float) -> float:
-        if self.last_ms is None:
-            return 0.0
-        return self.weight * 0.5 ** (max(0.0, now_ms - self.last_ms) / self.half_life_ms)
-
-    def add(self, now_ms: float, count: int = 1) -> None:
-        self.weight = self._decayed(now_ms) + count
-        self.last_ms = now_ms
-
-    def per_ms(self, now_ms: float) -> float:
-        # a decaying count with half-life h sums to rate x h / ln 2
-        return self._decayed(now_ms) * 0.6931 / self.half_life_ms
-
-
-class SafetyMargin:
-    """Milliseconds kept in hand below each deadline, steered by the observed percentile."""
-
-    def __init__(self, target_ms: float, percentile: float) -> None:
-        self.target_ms = target_ms
-        self.ms = 0.0
-        self.observed = WindowQuantile(percentile, LATENCY_WINDOW)
-        self._updated_ms = 0.0
-
-    def over_target(self) -> bool:
-        """The observed percentile is over the target: the load or a slower device, more
-        than the prediction, is what makes requests late."""
-        return self.observed.value(0.0) > self.target_ms
-
-    def observe(self, now_ms: float, latencies_ms: Sequence[float]) -> None:
-        for latency in latencies_ms:
-            self.observed.add(latency, now_ms)
-        self.update(now_ms)
-
-    def update(self, now_ms: float) -> None:
-        """Steer the margin (at most once per MARGIN_UPDATE_MS). Answers older than
-        LATENCY_WINDOW_MS leave the window, and with none left there is nothing to keep
-        a margin for: so one raised by a burst cannot refuse every request for good, as
-        it would while shedding, when nothing served means nothing new observed."""
-        if now_ms - self._updated_ms < MARGIN_UPDATE_MS:
-            return
-        self._updated_ms = now_ms
-        self.observed.expire(now_ms - LATENCY_WINDOW_MS)
-        if not self.observed.values:
-            self.ms = 0.0
-            return
-        observed = self.observed.value(0.0)
-        if observed > self.target_ms:
-            self.ms = min(MARGIN_MAX * self.target_ms, self.ms + MARGIN_UP * self.target_ms)
-        elif observed < MARGIN_CALM * self.target_ms:
-            self.ms = max(0.0, self.ms - MARGIN_DOWN * self.target_ms)
+    probe: bool = False  # admitted though predicted late: nothing ran to check the prediction
 
 
 class LatencyPolicy:
@@ -141,6 +77,8 @@ class LatencyPolicy:
         self.margin = SafetyMargin(target_ms, percentile)
         self.rates = [ArrivalRate() for _ in range(buckets)]
         self.busy_until_ms = [0.0] * instances
+        self.active_ms = float("-inf")  # the last batch start or end
+        self.probed_ms = float("-inf")  # the last probe admitted
         # A batch sent is known from its dispatch until started() is told, just before its
         # launch (the compute loop first completes the batch before it).
         self.sent: list[Sent] = []
@@ -236,13 +174,30 @@ class LatencyPolicy:
         ahead = queued_ms / len(self.busy_until_ms)
         delay = free_in + ahead + self.model.predict_ms(bucket, batch_size, member.length)
         completion = now_ms + delay
+        refusal = None
         if member.deadline_ms is not None and completion > member.deadline_ms:
-            return Admission(False, "deadline_exceeded", delay)
-        if self.shed_over_target and \
+            refusal = Admission(False, "deadline_exceeded", delay)
+        elif self.shed_over_target and \
                 completion + self.margin.ms > member.enqueued_ms + self.target_ms:
-            return Admission(False, "overloaded", delay, int(free_in + ahead) + 1,
-                             now_ms - member.enqueued_ms, self.margin.ms)
-        return Admission(True, predicted_ms=delay)
+            refusal = Admission(False, "overloaded", delay, int(free_in + ahead) + 1,
+                                now_ms - member.enqueued_ms, self.margin.ms)
+        if refusal is None:
+            return Admission(True, predicted_ms=delay)
+        if queued_ms == 0 and self._probe_due(now_ms):
+            return Admission(True, predicted_ms=delay, probe=True)
+        return refusal
+
+    def _probe_due(self, now_ms: float) -> bool:
+        """Whether to admit a request predicted late, to check the prediction: nothing has
+        started or finished for a whole target (so nothing served has been observed), and
+        no probe was admitted in that time. Under a real overload batches run back to back
+        and no probe is due; a model inflated by an outlier (a cold run, a stalled machine)
+        would otherwise refuse every request for good, as nothing served means nothing new
+        observed."""
+        if now_ms - max(self.active_ms, self.probed_ms) < self.target_ms:
+            return False
+        self.probed_ms = now_ms
+        return True
 
     def queued_ms(self, bucket: int, size: int, longest: int, batch_cap: int) -> float:
         """Predicted compute of a bucket's queue, run as batches of `batch_cap`."""
@@ -282,10 +237,12 @@ class LatencyPolicy:
                 del self.sent[index]
                 break
         self.busy_until_ms[instance] = now_ms + self.model.predict_ms(bucket, size, longest)
+        self.active_ms = now_ms
 
     def finished(self, instance: int, bucket: int, size: int, longest: int, compute_ms: float,
                  now_ms: float) -> None:
         self.busy_until_ms[instance] = now_ms
+        self.active_ms = now_ms
         self.model.observe(bucket, size, longest, compute_ms)
 
     def answered(self, now_ms: float, latencies_ms: Sequence[float]) -> None:

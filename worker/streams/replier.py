@@ -16,7 +16,7 @@ import redis
 import structlog
 
 from producer import connection
-from producer.connection import ReplicaCount
+from producer.replicas import ReplicaCount
 from worker.observe import metrics
 from worker.streams.reader import as_text, is_group_lost
 

@@ -26,7 +26,7 @@ import redis
 import structlog
 
 from producer import connection, protocol
-from producer.connection import ReplicaCount
+from producer.replicas import ReplicaCount
 from worker.observe import metrics
 from worker.policy.backoff import backoff_delays
 from worker.streams.replier import Replier, Reply, script_then_wait

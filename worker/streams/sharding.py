@@ -15,6 +15,7 @@ import structlog
 
 from producer import connection, protocol
 from producer.backlog import published_shards
+from producer.replicas import ReplicaCount
 from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetters
 from worker.streams.reader import StreamReader
@@ -61,7 +62,7 @@ def sharded_parts(settings: Settings, client: Any,
     count = resolve_shards(client, ns, name, settings.shards)
     streams = [protocol.shard_stream_key(ns, name, s) for s in range(count)]
     localise = Localiser(ns, name)
-    replicas = connection.ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms)
+    replicas = ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms)
     reclaimers = [Reclaimer(client, stream, group, consumer, settings.claim_idle_ms, name)
                   for stream in streams]
     foreign = ForeignReplies(client, ns, settings.result_ttl_ms, name, replicas)
@@ -81,7 +82,7 @@ def sharded_parts(settings: Settings, client: Any,
         replier=ShardedReplier([Replier(
             client, stream, group, consumer, settings.result_ttl_ms,
             protocol.shard_answered_key(ns, name, shard), name,
-            connection.ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
+            ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
             for shard, stream in enumerate(streams)], foreign),
         reclaimer=ShardedReclaimer(reclaimers, localise),
         dead_letters=ShardedDeadLetters(dead_letters, localise),
@@ -100,7 +101,7 @@ def sharded_token_streams(settings: Settings, client: Any) -> ShardedTokenStream
         [TokenStreams(client, protocol.shard_stream_key(ns, name, s), settings.group,
                       settings.consumer, settings.result_ttl_ms,
                       protocol.shard_answered_key(ns, name, s), name,
-                      connection.ReplicaCount(settings.replicas_to_wait,
+                      ReplicaCount(settings.replicas_to_wait,
                                               settings.replicas_wait_ms))
          for s in range(count)],
         settings.result_ttl_ms)

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from producer import connection, protocol
-from producer.connection import ReplicaCount
+from producer.replicas import ReplicaCount
 from worker.streams.reader import as_text, is_group_lost
 from worker.streams.replier import ReplicatedScript
 
