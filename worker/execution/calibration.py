@@ -167,11 +167,10 @@ def calibrate(executor: Executor, memory: MemoryProbe, boundaries: Sequence[int]
 Observe = Callable[[int, int, int, float], None]  # (bucket, size, longest, ms) of a run
 
 
-def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int],
-            observe: Observe | None = None) -> None:
+def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> None:
     """Run each bucket's largest allowed shape once. One info line says what it cost in all;
-    each bucket's own line is at debug level. `observe` is told each run's time (a latency
-    target's service-time model: predictions from the first request on, not from zero)."""
+    each bucket's own line is at debug level. Its times are no service-time model's: each
+    is a shape's first, cold, run (measure_merge_tokens' repeated runs seed the model)."""
     started = time.perf_counter()
     sizes: list[int] = []
     for bucket, length in enumerate(boundaries):
@@ -187,8 +186,6 @@ def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int],
             log.exception("warmup.failed", bucket=bucket, max_length=sample.length)
             continue
         sizes.append(len(items))
-        if observe is not None:
-            observe(bucket, len(items), sample.length, seconds * 1000)
         log.debug("warmup.bucket", bucket=bucket, max_length=sample.length,
                   batch_size=len(items), ms=round(seconds * 1000, 1))
     log.info("warmup.done", buckets=len(sizes), batch_size=max(sizes, default=0),
