@@ -183,17 +183,17 @@ class LatencyPolicy:
                                 now_ms - member.enqueued_ms, self.margin.ms)
         if refusal is None:
             return Admission(True, predicted_ms=delay)
-        if queued_ms == 0 and self._probe_due(now_ms):
+        if queued_ms == 0 and self._take_probe(now_ms):
             return Admission(True, predicted_ms=delay, probe=True)
         return refusal
 
-    def _probe_due(self, now_ms: float) -> bool:
-        """Whether to admit a request predicted late, to check the prediction: nothing has
-        started or finished for a whole target (so nothing served has been observed), and
-        no probe was admitted in that time. Under a real overload batches run back to back
-        and no probe is due; a model inflated by an outlier (a cold run, a stalled machine)
-        would otherwise refuse every request for good, as nothing served means nothing new
-        observed."""
+    def _take_probe(self, now_ms: float) -> bool:
+        """Whether to admit a request predicted late as a probe, recording it if so, to check
+        the prediction: nothing has started or finished for a whole target (so nothing
+        served has been observed), and no probe was admitted in that time. Under a real
+        overload batches run back to back and no probe is due; a model inflated by an
+        outlier (a cold run, a stalled machine) would otherwise refuse every request for
+        good, as nothing served means nothing new observed."""
         if now_ms - max(self.active_ms, self.probed_ms) < self.target_ms:
             return False
         self.probed_ms = now_ms
