@@ -153,21 +153,27 @@ class MatmulModel(EchoModel):
 
 
 class CostModel(EchoModel):
-    """Takes `fixed_ms` per batch plus `per_token_ms` per padded token, like a real model.
+    """Takes `fixed_ms` per batch plus `per_token_ms` per padded token, like a real model,
+    and `cold_ms` more on each padded shape's first forward (kernel selection, allocation).
     Each forward's modelled seconds go to `modelled_s` (shared), for a clock-free test."""
 
     modelled_s: ClassVar[list[float]] = []
 
-    def __init__(self, fixed_ms: float = 20.0, per_token_ms: float = 0.5) -> None:
+    def __init__(self, fixed_ms: float = 20.0, per_token_ms: float = 0.5,
+                 cold_ms: float = 0.0) -> None:
         super().__init__()
         self.fixed_s, self.per_token_s = fixed_ms / 1000, per_token_ms / 1000
+        self.cold_s = cold_ms / 1000
+        self.shapes_seen = set[int]()
 
     def collate(self, items: Sequence[Prepared]) -> tuple[int, list[Any]]:
         return len(items) * max(item.length for item in items), [item.data for item in items]
 
     def forward(self, batch: tuple[int, list[Any]]) -> list[Any]:
         padded_tokens, data = batch
-        self.modelled_s.append(self.fixed_s + self.per_token_s * padded_tokens)
+        cold = self.cold_s if padded_tokens not in self.shapes_seen else 0.0
+        self.shapes_seen.add(padded_tokens)
+        self.modelled_s.append(self.fixed_s + self.per_token_s * padded_tokens + cold)
         time.sleep(self.modelled_s[-1])
         return data
 

@@ -157,3 +157,20 @@ def test_with_a_latency_target_the_warm_up_fits_the_service_time_model(
     without = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
                             bucket_boundaries=[8, 64], max_batch_size=16, metrics_port=0)
     assert build_worker(without, r).intake.targeted.policy.model.predict_ms(0, 1, 8) < 60.0
+
+
+@pytest.mark.usefixtures("modelled_time")
+def test_the_warm_up_seeds_every_bucket_with_warm_runs_only(redis_url: str,
+                                                           r: redis.Redis) -> None:
+    """Each shape's first run pays 400 ms more (cold): were it observed, the fit would
+    predict every request late. Bucket 0 gets its warm-up's warm run and the merge
+    measurement's last two runs of each shape; bucket 1 its warm-up's warm run."""
+    settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:CostModel",
+                             model_options={"fixed_ms": 60.0, "per_token_ms": 1.5,
+                                            "cold_ms": 400.0},
+                             bucket_boundaries=[8, 64], max_batch_size=16, metrics_port=0,
+                             latency_target_ms=500)
+    model = build_worker(settings, r).intake.targeted.policy.model
+    assert [fit.count for fit in model.fits[:2]] == [5, 1]
+    assert model.fit(0).fixed == pytest.approx(60.0, rel=0.2)
+    assert model.mean_ms(1, 16, 64) == pytest.approx(60.0 + 1.5 * 16 * 64, rel=0.2)

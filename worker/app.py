@@ -273,14 +273,14 @@ def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence
 
 
 def build_worker(settings: Settings, client: redis.Redis) -> Worker:
-    """Load the model, assemble and warm up the worker (a target's model: merge runs only)."""
+    """Load the model, assemble and warm up the worker (a target's model: warm runs only)."""
     model, device = load_model(settings)
     worker = assemble_worker(settings, model, Executor(model, device), client,
                              calibrated=load_batch_sizes(settings, device))
     if settings.warmup:
         policy = worker.intake.targeted.policy
         observe = policy.model.observe if settings.latency_target_ms else None
-        warm_up(worker.runner, model, worker.batcher.boundaries)
+        warm_up(worker.runner, model, worker.batcher.boundaries, observe)
         if settings.merge_tokens is None and worker.batcher.boundaries:
             measure_merge(worker, model, observe)
     return worker

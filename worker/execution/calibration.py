@@ -167,10 +167,12 @@ def calibrate(executor: Executor, memory: MemoryProbe, boundaries: Sequence[int]
 Observe = Callable[[int, int, int, float], None]  # (bucket, size, longest, ms) of a run
 
 
-def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> None:
+def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int],
+            observe: Observe | None = None) -> None:
     """Run each bucket's largest allowed shape once. One info line says what it cost in all;
-    each bucket's own line is at debug level. Its times are no service-time model's: each
-    is a shape's first, cold, run (measure_merge_tokens' repeated runs seed the model)."""
+    each bucket's own line is at debug level. With `observe` (a latency target's model),
+    each shape runs once more and only that warm run is observed: a shape's first run is
+    cold, and a fit seeded by an outlier would predict every request late."""
     started = time.perf_counter()
     sizes: list[int] = []
     for bucket, length in enumerate(boundaries):
@@ -181,7 +183,7 @@ def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> Non
         cap = runner.governor.caps[bucket]
         items = [sample] * max(1, min(cap.requests, cap.tokens // sample.length))
         try:
-            seconds = timed(lambda: runner.run(bucket, items))  # noqa: B023
+            seconds = _warm_bucket(runner, bucket, items, observe)
         except Exception:  # warm-up only saves time: serve anyway, the error will show again
             log.exception("warmup.failed", bucket=bucket, max_length=sample.length)
             continue
@@ -190,6 +192,16 @@ def warm_up(runner: BatchRunner, model: Model, boundaries: Sequence[int]) -> Non
                   batch_size=len(items), ms=round(seconds * 1000, 1))
     log.info("warmup.done", buckets=len(sizes), batch_size=max(sizes, default=0),
              seconds=round(time.perf_counter() - started, 2))
+
+
+def _warm_bucket(runner: BatchRunner, bucket: int, items: list[Any],
+                 observe: Observe | None) -> float:
+    """Seconds of the shape's cold run; with `observe`, a warm run follows and is observed."""
+    seconds = timed(lambda: runner.run(bucket, items))
+    if observe is not None:
+        warm = timed(lambda: runner.run(bucket, items))
+        observe(bucket, len(items), max(item.length for item in items), warm * 1000)
+    return seconds
 
 
 def measure_merge_tokens(runner: BatchRunner, model: Model, length: int,
@@ -213,10 +225,11 @@ def measure_merge_tokens(runner: BatchRunner, model: Model, length: int,
 
 def _timed_runs(runner: BatchRunner, items: list[Any], repeats: int,
                 observe: Observe | None) -> list[float]:
-    """Seconds of each of `repeats` runs of bucket 0, each told to `observe` as well."""
+    """Seconds of each of `repeats` runs of bucket 0. All but the first are told to
+    `observe` as well: the first may be the shape's cold run (one input is a new shape)."""
     times = [timed(lambda: runner.run(0, items)) for _ in range(repeats)]
     if observe is not None:
-        for seconds in times:
+        for seconds in times[1:]:
             observe(0, len(items), max(item.length for item in items), seconds * 1000)
     return times
 
