@@ -199,8 +199,7 @@ def _warm_bucket(runner: BatchRunner, bucket: int, items: list[Any],
     """Seconds of the shape's cold run; with `observe`, a warm run follows and is observed."""
     seconds = timed(lambda: runner.run(bucket, items))
     if observe is not None:
-        warm = timed(lambda: runner.run(bucket, items))
-        observe(bucket, len(items), max(item.length for item in items), warm * 1000)
+        _tell(observe, bucket, items, timed(lambda: runner.run(bucket, items)))
     return seconds
 
 
@@ -230,6 +229,11 @@ def _timed_runs(runner: BatchRunner, items: list[Any], repeats: int,
     times = [timed(lambda: runner.run(0, items)) for _ in range(repeats)]
     if observe is not None:
         for seconds in times[1:]:
-            observe(0, len(items), max(item.length for item in items), seconds * 1000)
+            _tell(observe, 0, items, seconds)
     return times
+
+
+def _tell(observe: Observe, bucket: int, items: list[Any], seconds: float) -> None:
+    """Give `observe` one run of `items` in `bucket`, as the worker reports a served batch."""
+    observe(bucket, len(items), max(item.length for item in items), seconds * 1000)
 
