@@ -212,9 +212,10 @@ class AsyncClient(base._Base):
         key = reply_to or self.reply_key(request_id)
         for block_s in base.block_slices(timeout):
             popped: Any = await self.redis.blpop([key], timeout=block_s)
-            if popped is not None:
+            envelope = popped and self._own(popped[1], (request_id,))
+            if envelope:
                 self._forget(request_id)
-                return protocol.decode_envelope(popped[1])
+                return envelope
         raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 
     async def result(self, request_id: str, timeout: float = 30.0) -> Any:

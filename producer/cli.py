@@ -66,7 +66,8 @@ def run_requests(client: Client, payloads: list[Any], timeout: float,
     reply_to = client.new_reply_key()
     ids = client.submit_many(payloads, reply_to=reply_to)
     with tqdm(total=len(ids), disable=not progress, unit="req", file=sys.stderr) as bar:
-        received = client.collect(reply_to, len(ids), timeout, on_reply=lambda _: bar.update())
+        received = client.collect(reply_to, len(ids), timeout, on_reply=lambda _: bar.update(),
+                                  ids=set(ids))
     seconds = time.perf_counter() - started
     client.redis.delete(reply_to)
     by_id = {envelope["id"]: envelope for envelope in received}

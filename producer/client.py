@@ -8,9 +8,10 @@ round-robin, per-shard reply keys) in producer/sharded.py; all are re-exported h
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -27,6 +28,7 @@ from producer.errors import (  # noqa: F401 (re-exported: callers import them fr
 from producer.replicas import AUTO, ReplicaCount
 from producer.sharded import REMEMBERED_REPLY_KEYS, ShardedSubmit, Sharding  # noqa: F401
 
+log = logging.getLogger("redbatch.client")
 DEFAULT_URL = "redis://localhost:6379/0"
 PIPELINE_CHUNK = 1000
 # Each BLPOP blocks at most this long, well inside the client's socket timeout (redis-py 8
@@ -77,6 +79,21 @@ class _Base(Sharding):
         # WAIT after each write for this many replicas (producer/replicas.py)
         self.replicas = replicas or ReplicaCount(0)
         self.short_waits = 0  # writes a WAIT reported short of replicas (each resubmitted)
+        self.foreign_envelopes = 0  # replies on our keys that answer no request of ours
+
+    def _own(self, data: bytes, request_ids: Collection[str]) -> dict[str, Any] | None:
+        """The envelope when it answers one of `request_ids`; else None, counted: any
+        producer can name our reply key as its reply_to, so an envelope's id is checked."""
+        try:
+            envelope = protocol.decode_envelope(data)
+        except Exception:  # not an envelope at all: json and msgpack raise several types
+            envelope = None
+        if envelope is not None and envelope.get("id") in request_ids:
+            return envelope
+        self.foreign_envelopes += 1
+        log.warning("dropped a reply that answers none of the requests waited for "
+                    "(id %r)", str(envelope.get("id"))[:64] if envelope else None)
+        return None
 
     def _once_call(self, ids: Sequence[str], entries: list[Any],
                    shard: int | None = None) -> tuple[list[str], list[Any]]:
@@ -248,13 +265,15 @@ class Client(ShardedSubmit, _Base):
 
     def wait(self, request_id: str, timeout: float = 30.0,
              reply_to: str | None = None) -> dict[str, Any]:
-        """The reply envelope of one request (ok or not); ResultTimeout if none came."""
+        """The reply envelope of one request (ok or not); ResultTimeout if none came. An
+        envelope of another id on its key is dropped and counted (foreign_envelopes)."""
         key = reply_to or self.reply_key(request_id)
         for block_s in block_slices(timeout):
             popped: Any = self.redis.blpop([key], timeout=block_s)
-            if popped is not None:
+            envelope = popped and self._own(popped[1], (request_id,))
+            if envelope:
                 self._forget(request_id)
-                return protocol.decode_envelope(popped[1])
+                return envelope
         raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 
     def result(self, request_id: str, timeout: float = 30.0) -> Any:
@@ -266,8 +285,10 @@ class Client(ShardedSubmit, _Base):
         return self.result(self.submit(payload, **options), timeout)
 
     def collect(self, reply_to: str, count: int, timeout: float = 60.0,
-                on_reply: Any = None) -> list[dict[str, Any]]:
-        """Pop up to `count` envelopes from a shared reply key, until `timeout` elapses."""
+                on_reply: Any = None, ids: Collection[str] | None = None
+                ) -> list[dict[str, Any]]:
+        """Pop up to `count` envelopes from a shared reply key, until `timeout` elapses;
+        with `ids`, only theirs (others are dropped and counted in foreign_envelopes)."""
         envelopes: list[dict[str, Any]] = []
         for block_s in block_slices(timeout):
             if len(envelopes) >= count:
@@ -278,9 +299,12 @@ class Client(ShardedSubmit, _Base):
             more = count - len(envelopes) - 1
             batch = [popped[1], *((self.redis.lpop(reply_to, more) or []) if more else [])]
             for data in batch:
-                envelopes.append(protocol.decode_envelope(data))
-                if on_reply:
-                    on_reply(envelopes[-1])
+                envelope = self._own(data, ids) if ids is not None else \
+                    protocol.decode_envelope(data)
+                if envelope:
+                    envelopes.append(envelope)
+                    if on_reply:
+                        on_reply(envelope)
         return envelopes
 
     def close(self) -> None:

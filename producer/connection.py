@@ -61,7 +61,7 @@ def redacted(url: str) -> str:
     parts = urlsplit(url)
     if parts.password:
         parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
-    query = re.sub(r"(?i)(\bsentinel_password=)[^&]*", r"\1***", parts.query)
+    query = re.sub(r"(?i)(\b(?:sentinel_)?password=)[^&]*", r"\1***", parts.query)
     return parts._replace(query=query).geturl()
 
 

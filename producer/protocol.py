@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -40,6 +40,11 @@ MSGPACK = "application/msgpack"
 JSON = "application/json"
 CONTENT_TYPES = (MSGPACK, JSON)
 MAX_ID_BYTES = 256
+MAX_REPLY_TO_BYTES = 512  # room for a namespace, a shard tag and a 256-byte id
+MAX_ENTRY_FIELDS = 16  # the six of the protocol and a few of a producer's own
+ENTRY_OVERHEAD_BYTES = 16384  # what the fields other than `payload` may add up to
+MAX_CONTAINERS = 16384  # arrays and maps in one payload: each costs ~60 bytes decoded
+MAX_CONTAINER_ITEMS = 65536  # items of one array or map, and bytes of one string (msgpack)
 
 
 class ErrorCode(StrEnum):
@@ -51,6 +56,7 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
     TOO_LARGE = "too_large"
     DEAD_LETTER = "dead_letter"
+    DUPLICATE_ID = "duplicate_id"  # another entry with this id is in flight
     OVERLOADED = "overloaded"  # predicted to miss the latency target: retry after retry_after_ms
 
 
@@ -60,6 +66,23 @@ def stream_key(namespace: str, model: str) -> str:
 
 def reply_key(namespace: str, request_id: str) -> str:
     return f"{namespace}:reply:{request_id}"
+
+
+def reply_prefix(namespace: str) -> str:
+    """List replies may only go under this prefix (or a `reply_prefixes` setting's)."""
+    return f"{namespace}:reply:"
+
+
+def token_stream_prefix(namespace: str) -> str:
+    """Streamed replies may only go under this prefix (or a `reply_prefixes` setting's)."""
+    return f"{namespace}:stream:"
+
+
+def inflight_key(namespace: str, reply_to: str, request_id: str) -> str:
+    """The marker naming the entry that serves request `request_id` onto `reply_to`: `SET
+    NX` at read time refuses a second entry with the same id and reply key while the first
+    may still be answered (docs/protocol.md, "Ids")."""
+    return f"{namespace}:inflight:{reply_to}:{request_id}"
 
 
 def dead_letter_key(namespace: str, model: str) -> str:
@@ -74,6 +97,18 @@ def answered_key(namespace: str, model: str) -> str:
 def workers_key(namespace: str, model: str) -> str:
     """A hash of the model's workers: consumer name -> JSON of its layout and device."""
     return f"{namespace}:workers:{model}"
+
+
+def internal_keys(namespace: str, model: str, shard: int | None = None) -> dict[str, str]:
+    """The keys a worker writes besides replies, and the type it keeps in each (a shard's
+    own on a Redis Cluster): checked at start, since a key of another type there has its
+    writes skipped."""
+    if shard is None:
+        answered, dead = answered_key(namespace, model), dead_letter_key(namespace, model)
+    else:
+        answered = shard_answered_key(namespace, model, shard)
+        dead = shard_dead_letter_key(namespace, model, shard)
+    return {answered: "string", dead: "stream", workers_key(namespace, model): "hash"}
 
 
 def token_stream_key(namespace: str, request_id: str, reply_to: str | None = None) -> str:
@@ -117,17 +152,41 @@ def _packer() -> msgpack.Packer:
     return packer
 
 
+class _Containers:
+    """Counts the arrays and maps a decoder builds, and stops it past MAX_CONTAINERS: an
+    empty map is one byte of msgpack and about 70 bytes in Python, so 1 MiB could become
+    72 MiB before any model looks at it."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_CONTAINERS
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError(f"more than {MAX_CONTAINERS} arrays and maps")
+        return container
+
+
 def decode(data: bytes, content_type: str) -> Any:
-    """Decode a payload; raises ValueError with a readable reason on bad input."""
+    """Decode a payload within the container limits; raises ValueError with a readable
+    reason on bad or oversized input."""
+    count = _Containers()
     if content_type == JSON:
         try:
-            return json.loads(data)
+            return json.loads(data, object_hook=count)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"payload is not valid JSON: {exc}") from None
         except RecursionError:  # e.g. '[[[[...', well within the size limit
             raise ValueError("payload is not valid JSON: nested too deeply") from None
+        except ValueError as exc:
+            raise ValueError(f"payload is too complex: {exc}") from None
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, object_hook=count,
+                               list_hook=count, max_str_len=len(data),
+                               max_bin_len=len(data), max_array_len=MAX_CONTAINER_ITEMS,
+                               max_map_len=MAX_CONTAINER_ITEMS, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         reason = str(exc) or type(exc).__name__  # StackError has no message
         raise ValueError(f"payload is not valid msgpack: {reason}") from None
@@ -168,6 +227,8 @@ class Request:
     reply_to: str
     deadline_ms: int | None = None
     priority: int = 0
+    # where to answer when reply_to is of the wrong kind (derived: not part of equality)
+    default_reply: str = field(default="", compare=False)
 
 
 class InvalidEntry(Exception):
@@ -177,10 +238,12 @@ class InvalidEntry(Exception):
 
     def __init__(self, message: str, request_id: str | None = None,
                  reply_to: str | None = None, content_type: str = JSON,
-                 payload: bytes | None = None, **details: str) -> None:
+                 payload: bytes | None = None, default_reply: str | None = None,
+                 **details: str) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.reply_to = reply_to
+        self.default_reply = default_reply or reply_to
         self.content_type = content_type
         self.payload = payload
         self.details = details  # `field` at fault, `reason`: in the error envelope
@@ -222,12 +285,33 @@ def _integer(value: bytes | None, name: str) -> int | None:
         raise ValueError(f"field '{name}' must be an integer, got {value[:40]!r}") from None
 
 
-def parse_entry(fields: dict[bytes, bytes], namespace: str, max_payload_bytes: int) -> Request:
+@dataclass(frozen=True, slots=True)
+class EntryRules:
+    """What a worker accepts of an entry: sizes, and where it may be answered."""
+
+    namespace: str
+    max_payload_bytes: int
+    reply_prefixes: tuple[str, ...] = ()  # allowed besides <ns>:reply: and <ns>:stream:
+
+    def list_reply_allowed(self, key: str) -> bool:
+        return key.startswith((reply_prefix(self.namespace), *self.reply_prefixes))
+
+    def stream_reply_allowed(self, key: str) -> bool:
+        return key.startswith((token_stream_prefix(self.namespace), *self.reply_prefixes))
+
+    def max_entry_bytes(self) -> int:
+        return self.max_payload_bytes + ENTRY_OVERHEAD_BYTES
+
+
+def parse_entry(fields: dict[bytes, bytes], namespace: str, max_payload_bytes: int, *,
+                reply_prefixes: tuple[str, ...] = (), default_reply: str | None = None
+                ) -> Request:
     """Validate the raw fields of a stream entry; raise InvalidEntry saying what is wrong.
 
     The id and reply key are recovered first, so that every later problem can still be
-    answered to the client instead of silently dropped. (It runs for every request: the
-    common path is kept to a few dict lookups.)
+    answered to the client instead of silently dropped. A `reply_to` outside the reply
+    prefixes is refused, on the default reply key (`default_reply`: the shard's on a
+    Redis Cluster). (It runs for every request: the common path is a few dict lookups.)
     """
     raw_id = fields.get(b"id")
     if not raw_id:
@@ -235,44 +319,96 @@ def parse_entry(fields: dict[bytes, bytes], namespace: str, max_payload_bytes: i
     if len(raw_id) > MAX_ID_BYTES:
         raise InvalidEntry(f"'id' is longer than {MAX_ID_BYTES} bytes")
     request_id = _utf8(raw_id, "id")
-    raw_reply_to = fields.get(b"reply_to")
-    reply_to = _utf8(raw_reply_to, "reply_to") if raw_reply_to else reply_key(namespace,
-                                                                              request_id)
+    rules = EntryRules(namespace, max_payload_bytes, reply_prefixes)
+    default = default_reply or reply_key(namespace, request_id)
+    reply_to = _reply_to(fields.get(b"reply_to"), default, request_id, rules)
     raw_content_type = fields.get(b"content_type")
     content_type = (MSGPACK if raw_content_type is None
-                    else raw_content_type.decode(errors="replace"))
+                    else raw_content_type[:64].decode(errors="replace"))
     payload = fields.get(b"payload")
     deadline, priority = fields.get(b"deadline_ms"), fields.get(b"priority")
-    if (content_type in CONTENT_TYPES and payload is not None
-            and len(payload) <= max_payload_bytes and deadline is None and priority is None):
-        return Request(request_id, payload, content_type, reply_to)  # the common case
-    return _checked(request_id, reply_to, content_type, payload, deadline, priority,
+    known = 2 + (raw_content_type is not None) + (b"reply_to" in fields)
+    if (content_type in CONTENT_TYPES and payload is not None and len(fields) == known
+            and len(payload) <= max_payload_bytes):
+        return Request(request_id, payload, content_type, reply_to,
+                       default_reply=default)  # the common case
+    _check_size(fields, Request(request_id, b"", JSON, reply_to, default_reply=default), rules)
+    return _checked(Request(request_id, payload or b"", content_type, reply_to,
+                            default_reply=default), payload is None, deadline, priority,
                     max_payload_bytes)
 
 
-def _checked(request_id: str, reply_to: str, content_type: str, payload: bytes | None,
-             deadline: bytes | None, priority: bytes | None, max_payload_bytes: int) -> Request:
+def _reply_to(raw: bytes | None, default: str, request_id: str, rules: EntryRules) -> str:
+    """The entry's reply key: its `reply_to` when that is under an allowed prefix."""
+    if not raw:
+        return default
+    if len(raw) > MAX_REPLY_TO_BYTES:
+        raise InvalidEntry(f"'reply_to' is longer than {MAX_REPLY_TO_BYTES} bytes",
+                           request_id, default, field="reply_to")
+    try:
+        reply_to = raw.decode()
+    except UnicodeDecodeError:
+        raise InvalidEntry("field 'reply_to' is not UTF-8", request_id, default,
+                           field="reply_to") from None
+    if rules.list_reply_allowed(reply_to) or rules.stream_reply_allowed(reply_to):
+        return reply_to
+    raise InvalidEntry(f"'reply_to' must start with {reply_prefix(rules.namespace)!r} or "
+                       f"{token_stream_prefix(rules.namespace)!r}", request_id, default,
+                       field="reply_to")
+
+
+def _check_size(fields: dict[bytes, bytes], request: Request, rules: EntryRules) -> None:
+    """Refuse an entry with too many fields or too many bytes, before any work on it."""
+    problem = None
+    if len(fields) > MAX_ENTRY_FIELDS:
+        problem = f"entry has {len(fields)} fields, above the limit of {MAX_ENTRY_FIELDS}"
+    else:
+        size = sum(len(k) + len(v) for k, v in fields.items())
+        if size > rules.max_entry_bytes():
+            problem = f"entry is {size} bytes, above the limit of {rules.max_entry_bytes()}"
+    if problem:
+        raise InvalidEntry(problem, request.id, request.reply_to,
+                           default_reply=request.default_reply, reason="entry_too_large")
+def _checked(request: Request, missing: bool, deadline: bytes | None, priority: bytes | None,
+             max_payload_bytes: int) -> Request:
     """The rest of parse_entry: each problem is answered in the request's content type."""
+    content_type, payload = request.content_type, request.payload
 
     def invalid(message: str, field: str, **reason: str) -> InvalidEntry:
         known = content_type in CONTENT_TYPES
         readable = payload if known and payload and len(payload) <= max_payload_bytes else None
-        return InvalidEntry(message, request_id, reply_to, content_type if known else JSON,
-                            readable, field=field, **reason)
+        return InvalidEntry(message, request.id, request.reply_to,
+                            content_type if known else JSON, readable,
+                            request.default_reply, field=field, **reason)
 
     if content_type not in CONTENT_TYPES:
         raise invalid(f"unknown content_type {content_type!r}; use one of {list(CONTENT_TYPES)}",
                       "content_type")
-    if payload is None:
+    if missing:
         raise invalid("entry has no 'payload' field", "payload")
     if len(payload) > max_payload_bytes:
         raise invalid(f"payload is {len(payload)} bytes, above the limit of {max_payload_bytes}",
                       "payload", reason="payload_too_large")
-    numbers: dict[str, int | None] = {}
     for name, raw in (("deadline_ms", deadline), ("priority", priority)):
         try:
-            numbers[name] = _integer(raw, name)
+            setattr(request, name, _integer(raw, name))
         except ValueError as exc:
             raise invalid(str(exc), name) from None
-    return Request(request_id, payload, content_type, reply_to, numbers["deadline_ms"],
-                   numbers["priority"] or 0)
+    request.priority = request.priority or 0
+    return request
+
+
+def misdirected(request: Request, streamed: bool, rules: EntryRules) -> bool:
+    """Whether the request's answer would land on a key of the other kind: a streamed
+    answer outside the stream prefixes, or a list reply outside the reply prefixes."""
+    if streamed:
+        key = token_stream_key(rules.namespace, request.id, request.reply_to)
+        return not rules.stream_reply_allowed(key)
+    return not rules.list_reply_allowed(request.reply_to)
+
+
+def misdirected_message(streamed: bool, rules: EntryRules) -> str:
+    if streamed:
+        return (f"a streamed answer's 'reply_to' must start with "
+                f"{token_stream_prefix(rules.namespace)!r}")
+    return f"a list reply's 'reply_to' must start with {reply_prefix(rules.namespace)!r}"

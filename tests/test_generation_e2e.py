@@ -111,11 +111,11 @@ def test_a_streamed_answer_equals_the_unstreamed_one_and_generate(
 def test_msgpack_requests_stream_msgpack_and_reply_to_names_the_stream(
         tiny_worker: Any, r: redis.Redis) -> None:
     request_id = send(r, {"messages": [{"role": "user", "content": "hello"}]},
-                      msgpack_payload=True, reply_to="my:stream")
-    entries = read_stream(r, "my:stream")
+                      msgpack_payload=True, reply_to="redbatch:stream:mine")
+    entries = read_stream(r, "redbatch:stream:mine")
     assert entries[-1][1]["ok"] and entries[-1][1]["result"]["tokens"] >= 1
     assert entries[-1][1]["id"] == request_id
-    raw = r.xrange("my:stream")[0][1][b"data"]
+    raw = r.xrange("redbatch:stream:mine")[0][1][b"data"]
     assert raw[:1] != b"{"  # msgpack, as the request
 
 

@@ -11,7 +11,7 @@ import redis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from producer import Client
+from producer import Client, protocol
 from producer.protocol import MSGPACK, decode_envelope, encode, entry_fields, stream_key
 from tests.chaos import pending, request_ids, wait_until
 from tests.conftest import loaded_model, running_worker
@@ -48,10 +48,14 @@ def test_poison_policy_and_backoff_are_bounded() -> None:
 
 
 def test_reply_target_recovers_what_it_can() -> None:
-    assert reply_target(None, "redbatch", 100) is None
-    assert reply_target({b"payload": b"x"}, "redbatch", 100) is None  # no id: cannot answer
-    assert reply_target({b"id": b"r1", b"content_type": b"bogus"}, "redbatch", 100) == (
+    rules = protocol.EntryRules("redbatch", 100)
+    assert reply_target(None, rules) is None
+    assert reply_target({b"payload": b"x"}, rules) is None  # no id: cannot answer
+    assert reply_target({b"id": b"r1", b"content_type": b"bogus"}, rules) == (
         "r1", "redbatch:reply:r1", "application/json")
+    # a stream key is no list to push onto: the default reply key instead
+    assert reply_target({b"id": b"r1", b"payload": b"x", b"reply_to": b"redbatch:stream:s"},
+                        rules) == ("r1", "redbatch:reply:r1", "application/msgpack")
 
 
 def test_fuzzed_entries_never_stop_good_requests(redis_url: str, r: redis.Redis) -> None:
@@ -80,7 +84,7 @@ def test_fuzzed_entries_never_stop_good_requests(redis_url: str, r: redis.Redis)
             assert {i: a["result"] for i, a in answers.items()} == dict(good)
             wait_until(lambda: not pending(r, STREAM), 10, "every entry acked")
             for fields in bad_entries:
-                target = reply_target(fields, "redbatch", 1 << 20)
+                target = reply_target(fields, protocol.EntryRules("redbatch", 1 << 20))
                 if target and r.type(target[1]) == b"list":
                     request_id = target[0]
                     assert any(decode_envelope(e)["id"] == request_id

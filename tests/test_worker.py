@@ -21,7 +21,7 @@ from worker.policy.batching import bucket_of
 from worker.streams.replier import Replier, Reply
 
 STREAM = "redbatch:requests:echo"
-SHARED = "test:replies"
+SHARED = "redbatch:reply:test-replies"
 Envelope = dict[str, Any]
 
 
@@ -214,7 +214,7 @@ def test_malformed_entries_are_answered_or_counted_and_serving_goes_on(
         "huge": {"payload": b"\xa1x" * 1000},
     }
     for request_id, fields in answerable.items():
-        r.xadd(STREAM, {"id": request_id, "reply_to": f"reply:{request_id}", **fields})
+        r.xadd(STREAM, {"id": request_id, "reply_to": f"redbatch:reply:{request_id}", **fields})
     unanswerable = [{"payload": b"\xa1x"}, {"id": b"\xff\xfe", "payload": b"\xa1x"},
                     {"id": "i" * 257, "payload": b"\xa1x"}]
     for fields in unanswerable:
@@ -222,7 +222,7 @@ def test_malformed_entries_are_answered_or_counted_and_serving_goes_on(
     counted = metric("redbatch_unanswerable_entries_total", model="echo", reason="no_id")
     with worker_factory(max_payload_bytes=1000):
         for request_id in answerable:
-            raw: Any = r.blpop([f"reply:{request_id}"], timeout=10)
+            raw: Any = r.blpop([f"redbatch:reply:{request_id}"], timeout=10)
             assert raw is not None, request_id
             envelope = protocol.decode_envelope(raw[1])
             assert envelope["id"] == request_id and envelope["ok"] is False

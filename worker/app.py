@@ -48,6 +48,7 @@ from worker.policy.layout import Layout, choose_layout
 from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetters
+from worker.streams.id_claims import IdClaims
 from worker.streams.maintenance import Maintenance
 from worker.streams.reader import StreamReader
 from worker.streams.reclaimer import Reclaimer
@@ -167,6 +168,7 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
         batcher=Batcher(boundaries, batch_limits, caps=caps,
                         targeted=dispatch_rule(settings, targeted)),
         governor=governor, controller=controller,
+        ids=IdClaims(client, settings.namespace, settings.result_ttl_ms),
         runners=[BatchRunner(e, governor, memory, settings.model_name, governing=lock)
                  for e in executors],
         layout=layout, targeted=targeted,
@@ -237,10 +239,12 @@ def redis_parts(settings: Settings, client: redis.Redis,
         dead_letters=DeadLetters(
             client, stream, group, consumer, namespace=settings.namespace, model_name=name,
             max_deliveries=settings.max_deliveries, result_ttl_ms=settings.result_ttl_ms,
-            max_payload_bytes=settings.max_payload_bytes),
+            max_payload_bytes=settings.max_payload_bytes,
+            reply_prefixes=tuple(settings.reply_prefixes)),
         maintenance=Maintenance(client, stream, group, name, reclaimer,
                                 settings.maintenance_interval_s, settings.consumer_idle_ms,
-                                describe, protocol.workers_key(settings.namespace, name)))
+                                describe, protocol.workers_key(settings.namespace, name),
+                                protocol.internal_keys(settings.namespace, name)))
 
 
 def describe_worker(settings: Settings, layout: Layout, model: Model, device: torch.device,

@@ -120,6 +120,9 @@ class Settings(BaseSettings):
     processes: int = Field(1, gt=0, description="worker processes to run and supervise")
     devices: str = Field("", description="comma-separated, e.g. cuda:0,cuda:1: a process each")
     max_payload_bytes: int = Field(1 << 20, gt=0)
+    reply_prefixes: list[str] = Field(default_factory=list, description=(
+        "key prefixes a request's reply_to may name besides <namespace>:reply: (list "
+        "replies) and <namespace>:stream: (streamed ones); none by default"))
 
     metrics_port: int = Field(9100, ge=0, le=65535, description="0 disables /metrics")
     metrics_host: str = "0.0.0.0"
@@ -168,6 +171,18 @@ class Settings(BaseSettings):
         if not needs_target and self.controller_target_ms is not None:
             raise ValueError(f"controller_target_ms is for batch_controller aimd or step, "
                              f"or cork, not {kind!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _reply_prefixes_outside_internal_keys(self) -> Settings:
+        """A prefix that covers the worker's own keys would let a producer write them."""
+        ns = f"{self.namespace}:"
+        for prefix in self.reply_prefixes:
+            covers_internal = ns.startswith(prefix) or (
+                prefix.startswith(ns) and not prefix.startswith((f"{ns}reply:", f"{ns}stream:")))
+            if not prefix or covers_internal:
+                raise ValueError(f"reply_prefixes: {prefix!r} would cover redbatch's own keys "
+                                 f"(under {ns!r}); name a prefix of your application's")
         return self
 
     @model_validator(mode="after")

@@ -20,8 +20,14 @@ StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
 
+CONNECTION_TIMEOUT_S = 10.0  # a scrape takes milliseconds: a silent connection is let go
+
+
 class QuietHandler(WSGIRequestHandler):
-    """No access log on stderr: probes every few seconds would drown the worker's logs."""
+    """No access log on stderr: probes every few seconds would drown the worker's logs.
+    Each connection has a thread: `timeout` closes one that sends nothing, or too slowly."""
+
+    timeout = CONNECTION_TIMEOUT_S
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -53,9 +59,11 @@ def router(metrics_app: WSGIApp, readiness: ReadinessCheck) -> WSGIApp:
 
 
 def start_server(host: str, port: int, registry: CollectorRegistry,
-                 readiness: ReadinessCheck) -> ThreadingWSGIServer:
+                 readiness: ReadinessCheck,
+                 timeout_s: float = CONNECTION_TIMEOUT_S) -> ThreadingWSGIServer:
     """Bind now (so a busy port fails at start-up) and serve on a daemon thread."""
+    handler = type("TimedHandler", (QuietHandler,), {"timeout": timeout_s})
     server = make_server(host, port, router(make_wsgi_app(registry), readiness),
-                         ThreadingWSGIServer, handler_class=QuietHandler)
+                         ThreadingWSGIServer, handler_class=handler)
     threading.Thread(target=server.serve_forever, name="redbatch-http", daemon=True).start()
     return server

@@ -89,6 +89,9 @@ RECLAIMED = Counter("redbatch_reclaimed_entries", "Entries claimed from idle con
                     ["model"])
 REDELIVERIES = Counter("redbatch_redeliveries", "Entries read that had been delivered before",
                        ["model"])
+INTERNAL_KEY_ERRORS = Counter("redbatch_internal_key_errors",
+                              "Writes to an internal key skipped: it holds another type",
+                              ["model", "key"])
 DEAD_LETTERS = Counter("redbatch_dead_letters", "Entries moved to the dead-letter stream",
                        ["model"])
 REPLICATION_SHORT = Counter("redbatch_replication_short",

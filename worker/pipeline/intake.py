@@ -28,8 +28,9 @@ from worker.pipeline.reply import ReadTimeAnswers
 from worker.pipeline.retry import RedisRetry
 from worker.pipeline.token_answers import routed_error
 from worker.policy.batching import Batcher, Pending
-from worker.policy.flow import claims_first, entry_time_ms, is_past_deadline
+from worker.policy.flow import claims_first, is_past_deadline
 from worker.policy.targeted import TargetedDispatch
+from worker.streams.id_claims import Claim, IdClaims
 from worker.streams.reader import Entry
 from worker.streams.sharding import AnyDeadLetters, AnyReader, AnyReclaimer, AnyReplier
 
@@ -51,14 +52,16 @@ class IntakeConfig:
     namespace: str
     max_payload_bytes: int
     block_ms: int
+    reply_prefixes: tuple[str, ...] = ()  # where a reply_to may point besides the defaults
 
 
 class Intake:
     def __init__(self, config: IntakeConfig, model: Model, reader: AnyReader,
                  reclaimer: AnyReclaimer, dead_letters: AnyDeadLetters, replier: AnyReplier,
                  batcher: Batcher, inflight: InFlight, answers: AnswerQueue,
-                 retry: RedisRetry, targeted: TargetedDispatch) -> None:
-        """`targeted`: predicts, at read time, whether a request can still be served in time."""
+                 retry: RedisRetry, targeted: TargetedDispatch, ids: IdClaims) -> None:
+        """`targeted`: predicts, at read time, whether a request can still be served in time;
+        `ids`: refuses an entry whose id another entry serves on the same reply key."""
         self.config = config
         self.model = model
         self.reader = reader
@@ -70,6 +73,9 @@ class Intake:
         self.answers = answers
         self.retry = retry
         self.targeted = targeted
+        self.ids = ids
+        self.rules = protocol.EntryRules(config.namespace, config.max_payload_bytes,
+                                         config.reply_prefixes)
         self.read_time = ReadTimeAnswers(config.model_name, replier, inflight, answers, retry)
 
     def run(self, stopping: threading.Event) -> None:
@@ -122,17 +128,15 @@ class Intake:
         self.batcher.add(pending)
 
     def classify(self, entries: Sequence[Entry], now: float, now_ms: int) -> Admission:
+        """Parse every entry, claim the ids of those that parse (one Redis call), then
+        decode and prepare the ones whose id is theirs."""
         admission = Admission()
-        for entry in entries:
-            if entry.fields is None:
-                admission.unanswerable.append(entry.id)
-                metrics.UNANSWERABLE.labels(self.config.model_name, "deleted").inc()
-                continue
-            try:
-                request = protocol.parse_entry(entry.fields, self.config.namespace,
-                                               self.config.max_payload_bytes)
-            except InvalidEntry as exc:
-                self._refuse(entry.id, exc, admission)
+        parsed = [(entry, request) for entry in entries
+                  if (request := self._parse(entry, admission)) is not None]
+        taken = self.retry(self.ids.taken, [Claim(e.id, r.id, r.reply_to) for e, r in parsed])
+        for entry, request in parsed:
+            if entry.id in taken:
+                admission.bad.append(self._duplicate(entry.id, request))
                 continue
             prepared = self.prepare(entry.id, request, now, now_ms)
             if isinstance(prepared, Pending):
@@ -143,6 +147,29 @@ class Intake:
                 admission.bad.append(prepared)
         return admission
 
+    def _parse(self, entry: Entry, admission: Admission) -> Request | None:
+        """The entry's request, or None once it is answered (malformed) or acked (deleted)."""
+        if entry.fields is None:
+            admission.unanswerable.append(entry.id)
+            metrics.UNANSWERABLE.labels(self.config.model_name, "deleted").inc()
+            return None
+        try:
+            return protocol.parse_entry(entry.fields, self.config.namespace,
+                                        self.config.max_payload_bytes,
+                                        reply_prefixes=self.config.reply_prefixes,
+                                        default_reply=entry.default_reply)
+        except InvalidEntry as exc:
+            self._refuse(entry.id, exc, admission)
+            return None
+
+    def _duplicate(self, entry_id: str, request: Request) -> Answer:
+        """Another entry with this id serves the same reply key: this one is refused."""
+        metrics.REFUSED.labels(self.config.model_name, ErrorCode.DUPLICATE_ID.value).inc()
+        log.warning("entry.duplicate_id", entry_id=entry_id, request_id=request.id)
+        return self._routed(error_answer(
+            entry_id, request, ErrorCode.DUPLICATE_ID, f"request id {request.id!r} is already "
+            "in flight on this reply key: choose a unique id per request", field="id"), request)
+
     def _refuse(self, entry_id: str, exc: InvalidEntry, admission: Admission) -> None:
         """A malformed entry: answered `invalid_request` when it names whom to answer."""
         if not exc.answerable:
@@ -151,26 +178,31 @@ class Intake:
             log.warning("entry.unanswerable", entry_id=entry_id, reason=str(exc))
             return
         assert exc.request_id is not None and exc.reply_to is not None
-        answer = Answer(entry_id, exc.reply_to, exc.content_type,
-                        protocol.error_envelope(exc.request_id, ErrorCode.INVALID_REQUEST,
-                                                str(exc), **exc.details),
-                        entry_time_ms(entry_id))
-        if self.model.generative:  # on its reply stream, where its reader waits
-            request = Request(exc.request_id, exc.payload or b"", exc.content_type,
-                              exc.reply_to)
-            answer = routed_error(answer, request, self.config.namespace,
-                                  self.model.answers_on_stream(_decoded(request)))
-        admission.bad.append(answer)
+        request = Request(exc.request_id, exc.payload or b"", exc.content_type, exc.reply_to,
+                          default_reply=exc.default_reply or exc.reply_to)
+        admission.bad.append(self._routed(error_answer(
+            entry_id, request, ErrorCode.INVALID_REQUEST, str(exc), **exc.details), request))
 
     def prepare(self, entry_id: str, request: Request, now: float,
                 now_ms: int) -> Pending | Answer:
         """Decode and tokenise one request, or the error answer that replaces it (for a
         generative model, on the request's reply stream unless it asked for none)."""
         prepared = self._prepare(entry_id, request, now, now_ms)
-        if isinstance(prepared, Answer) and self.model.generative:
-            return routed_error(prepared, request, self.config.namespace,
-                                self.model.answers_on_stream(_decoded(request)))
+        if isinstance(prepared, Answer):
+            return self._routed(prepared, request)
         return prepared
+
+    def _routed(self, answer: Answer, request: Request) -> Answer:
+        """An error answer where the request's reader waits: a generative request's reply
+        stream unless it asked for none; the default key when its `reply_to` is of the
+        other kind (a list where a stream is wanted, or the reverse)."""
+        streamed = self.model.generative and self.model.answers_on_stream(_decoded(request))
+        if protocol.misdirected(request, streamed, self.rules):
+            request = replace(request, reply_to=request.default_reply)
+            answer = replace(answer, reply_to=request.default_reply)
+        if self.model.generative:
+            return routed_error(answer, request, self.config.namespace, streamed)
+        return answer
 
     def _prepare(self, entry_id: str, request: Request, now: float,
                  now_ms: int) -> Pending | Answer:
@@ -179,6 +211,10 @@ class Intake:
                                 "deadline passed before the request was read")
         try:
             payload = protocol.decode(request.payload, request.content_type)
+            streamed = self.model.generative and self.model.answers_on_stream(payload)
+            if protocol.misdirected(request, streamed, self.rules):
+                raise InvalidInput(protocol.misdirected_message(streamed, self.rules),
+                                   field="reply_to")
             item = self.model.prepare(payload, len(request.payload))
         except InvalidInput as exc:
             return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc),

@@ -39,6 +39,7 @@ from worker.policy.governor import Governor
 from worker.policy.layout import Layout
 from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
+from worker.streams.id_claims import IdClaims
 from worker.streams.maintenance import Maintenance
 from worker.streams.sharding import (
     AnyDeadLetters,
@@ -74,6 +75,7 @@ class Parts:
     runners: list[BatchRunner]  # one per model instance, sharing `lock` for the governor
     layout: Layout  # the instances and threads the runners were built for
     targeted: TargetedDispatch  # latency predictions; the batcher dispatches by it if targeted
+    ids: IdClaims  # refuses a second entry with an id in flight on the same reply key
     generation: GenerationParts | None = None  # a generative model: the generate loop's parts
     controller: BatchController | None = None  # a baseline's limits controller (issue 13)
 
@@ -98,9 +100,9 @@ class Worker:
         self.answers = answers
         self.intake = Intake(
             IntakeConfig(self.name, settings.namespace, settings.max_payload_bytes,
-                         settings.block_ms),
+                         settings.block_ms, tuple(settings.reply_prefixes)),
             model, parts.reader, parts.reclaimer, parts.dead_letters, parts.replier,
-            parts.batcher, self.inflight, answers, self.retry, parts.targeted)
+            parts.batcher, self.inflight, answers, self.retry, parts.targeted, parts.ids)
         config = ComputeConfig(self.name, settings.consumer)
         latency = parts.targeted.policy
         self.computes: list[ComputeLoop | GenerateLoop] = [
@@ -125,6 +127,7 @@ class Worker:
     def run(self) -> None:
         """Serve until stop() is called, then answer everything held and return."""
         self.retry(self.reader.ensure_group)
+        self.retry(self.maintenance.check_keys)
         self.retry(self.maintenance.announce)
         intake = self._thread("redbatch-reader", self._intake_thread)
         replier = self._thread("redbatch-replier", self._reply_thread)

@@ -20,7 +20,7 @@ from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry
 from worker.observe import metrics
 from worker.streams.reader import Entry, Fields, as_text, is_group_lost
-from worker.streams.replier import Reply
+from worker.streams.replier import Reply, wrong_type
 
 if TYPE_CHECKING:
     from worker.streams.shard_replies import ForeignReplies
@@ -32,19 +32,31 @@ META_PREFIX = "dead:"  # fields added to the original ones; stripped again on re
 MOVE_TO_DEAD = """
 -- KEYS[1] stream, KEYS[2] dead-letter stream, KEYS[3..n+2] reply keys ('' when none)
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] reply ttl ms, ARGV[4] dead-letter maxlen,
--- then per entry: entry id, deliveries, reason, envelope. Returns the ids moved.
+-- then per entry: entry id, deliveries, reason, envelope. Returns {the ids moved, 1 if the
+-- dead-letter stream holds another type}. An entry's fields are copied up to max_values.
 local stream, dead = KEYS[1], KEYS[2]
 local group, consumer, ttl, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local moved = {}
+local max_values = 2 * 64
+local moved, uncopied = {}, 0
 for i = 3, #KEYS do
   local a = 5 + (i - 3) * 4
   local entry_id, deliveries, reason, envelope = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   if #redis.call('XPENDING', stream, group, entry_id, entry_id, 1, consumer) == 1 then
     local found = redis.call('XRANGE', stream, entry_id, entry_id)
     local fields = (#found == 1 and found[1][2]) or {}
-    redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', 'dead:entry_id', entry_id,
-               'dead:deliveries', deliveries, 'dead:error', reason, 'dead:consumer', consumer,
-               unpack(fields))
+    local copy = {'XADD', dead, 'MAXLEN', '~', maxlen, '*', 'dead:entry_id', entry_id,
+                  'dead:deliveries', deliveries, 'dead:error', reason, 'dead:consumer', consumer}
+    if #fields > max_values then  -- within Lua's stack: the first fields, and how many
+      copy[#copy + 1], copy[#copy + 2] = 'dead:fields', tostring(#fields / 2)
+    end
+    for f = 1, math.min(#fields, max_values) do copy[#copy + 1] = fields[f] end
+    local added = redis.pcall(unpack(copy))
+    if type(added) == 'table' and added.err then
+      if not string.find(added.err, 'WRONGTYPE', 1, true) then
+        return redis.error_reply(added.err)
+      end
+      uncopied = 1  -- the dead-letter stream is squatted: answered and acked all the same
+    end
     if KEYS[i] ~= '' and type(redis.pcall('LPUSH', KEYS[i], envelope)) == 'number' then
       redis.call('PEXPIRE', KEYS[i], ttl)
     end
@@ -52,7 +64,7 @@ for i = 3, #KEYS do
     moved[#moved + 1] = entry_id
   end
 end
-return moved
+return {moved, uncopied}
 """
 
 REQUEUE = """
@@ -100,19 +112,24 @@ def is_poison(deliveries: int, max_deliveries: int) -> bool:
     return deliveries > max_deliveries
 
 
-def reply_target(fields: Fields | None, namespace: str,
-                 max_payload_bytes: int) -> tuple[str, str, str] | None:
-    """(request id, reply key, content type) of an entry, when it can be answered at all."""
+def reply_target(fields: Fields | None, rules: protocol.EntryRules
+                 ) -> tuple[str, str, str] | None:
+    """(request id, reply list, content type) of an entry, when it can be answered at all:
+    its reply_to when that is a list reply key, else its default reply key."""
     if fields is None:
         return None
     try:
-        request = protocol.parse_entry(fields, namespace, max_payload_bytes)
+        request = protocol.parse_entry(fields, rules.namespace, rules.max_payload_bytes,
+                                       reply_prefixes=rules.reply_prefixes)
     except InvalidEntry as exc:
         if not exc.answerable:
             return None
         assert exc.request_id is not None and exc.reply_to is not None
-        return exc.request_id, exc.reply_to, exc.content_type
-    return request.id, request.reply_to, request.content_type
+        request = protocol.Request(exc.request_id, b"", exc.content_type, exc.reply_to,
+                                   default_reply=exc.default_reply or exc.reply_to)
+    listed = request.reply_to if rules.list_reply_allowed(request.reply_to) \
+        else request.default_reply
+    return request.id, listed, request.content_type
 
 
 class DeadLetters:
@@ -120,7 +137,7 @@ class DeadLetters:
 
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, *,
                  namespace: str, model_name: str, max_deliveries: int, result_ttl_ms: int,
-                 max_payload_bytes: int) -> None:
+                 max_payload_bytes: int, reply_prefixes: tuple[str, ...] = ()) -> None:
         self.client = client
         self.stream = stream
         self.dead_stream = protocol.dead_letter_key(namespace, model_name)
@@ -130,7 +147,7 @@ class DeadLetters:
         self.model_name = model_name
         self.max_deliveries = max_deliveries
         self.result_ttl_ms = result_ttl_ms
-        self.max_payload_bytes = max_payload_bytes
+        self.rules = protocol.EntryRules(namespace, max_payload_bytes, reply_prefixes)
         self._move = client.register_script(MOVE_TO_DEAD)
         self.foreign: ForeignReplies | None = None  # on a cluster (shard_upkeep.py)
 
@@ -175,7 +192,7 @@ class DeadLetters:
         for entry in entries:
             reason = (f"delivered {counts[entry.id]} times without an answer (max_deliveries "
                       f"{self.max_deliveries}): a worker crashed or hung on it each time")
-            target = reply_target(entry.fields, self.namespace, self.max_payload_bytes)
+            target = reply_target(entry.fields, self.rules)
             envelope = b""
             if target is not None:
                 request_id, reply_key, content_type = target
@@ -186,7 +203,10 @@ class DeadLetters:
             args += (entry.id, counts[entry.id], reason, envelope)
         if foreign and self.foreign is not None:
             self.foreign.push(self.stream, foreign)
-        moved = [as_text(m) for m in self._move(keys=keys, args=args)]
+        moved_ids, uncopied = self._move(keys=keys, args=args)
+        if uncopied:
+            wrong_type(self.model_name, "dead", self.dead_stream)
+        moved = [as_text(m) for m in moved_ids]
         metrics.REQUESTS.labels(self.model_name, ErrorCode.DEAD_LETTER.value).inc(len(moved))
         metrics.DEAD_LETTERS.labels(self.model_name).inc(len(moved))
         log.warning("entries.dead_lettered", entry_ids=moved, dead_letter_stream=self.dead_stream)

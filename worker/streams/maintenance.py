@@ -17,7 +17,9 @@ import structlog
 
 from producer.backlog import BACKLOG
 from worker.observe import metrics
+from worker.streams.reader import as_text
 from worker.streams.reclaimer import Reclaimer
+from worker.streams.replier import wrong_type
 
 log = structlog.get_logger("redbatch.maintenance")
 BACKLOG_GAUGE_CAP = 100_000  # Redis < 7 counts undelivered entries one by one: bound the cost
@@ -63,8 +65,10 @@ class Maintenance:
     def __init__(self, client: redis.Redis, stream: str, group: str, model_name: str,
                  reclaimer: Reclaimer, interval_s: float, consumer_idle_ms: int,
                  describe: Callable[[], Mapping[str, Any]] | None = None,
-                 workers_key: str | None = None) -> None:
-        """`describe`: what `stats` shows of this worker, kept under `workers_key`."""
+                 workers_key: str | None = None,
+                 internal_keys: Mapping[str, str] | None = None) -> None:
+        """`describe`: what `stats` shows of this worker, kept under `workers_key`;
+        `internal_keys`: key -> the type redbatch keeps there, checked at start."""
         self.client = client
         self.stream = stream
         self.group = group
@@ -74,6 +78,7 @@ class Maintenance:
         self.consumer_idle_ms = consumer_idle_ms
         self.describe = describe or dict
         self.workers_key = workers_key
+        self.internal_keys = dict(internal_keys or {})
         self._trim = client.register_script(TRIM_ACKED)
         self._backlog = client.register_script(BACKLOG)
 
@@ -105,7 +110,26 @@ class Maintenance:
             pipe.hdel(self.workers_key, *gone)
         pipe.pexpire(self.workers_key,
                      int(self.interval_s * 1000 * ANNOUNCE_TTL_INTERVALS) + self.consumer_idle_ms)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            wrong_type(self.model_name, "workers", self.workers_key)
+
+    def check_keys(self) -> None:
+        """Name, one line each, the internal keys that hold another type than redbatch
+        writes there: their writes are skipped (and counted) while they do."""
+        if not self.internal_keys:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.internal_keys:
+            pipe.type(key)
+        for (key, expected), found in zip(self.internal_keys.items(), pipe.execute(),
+                                          strict=True):
+            if as_text(found) not in ("none", expected):
+                log.warning("internal_key.wrong_type", key=key, holds=as_text(found),
+                            expected=expected, hint="delete it: redbatch recreates it")
 
     def trim(self) -> int:
         """Drop the entries every group has acked; returns how many went."""

@@ -29,6 +29,7 @@ class Entry:
     id: str
     fields: Fields | None  # None: the entry was deleted or trimmed while pending
     redelivered: bool = False  # delivered before (own pending, or claimed): may be poison
+    default_reply: str | None = None  # on a Redis Cluster: the shard's default reply key
 
 
 class StreamReader:

@@ -28,7 +28,7 @@ REPLY_AND_ACK = """
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] ttl ms, then n pairs: entry id, envelope
 -- Returns {ids not answered because this consumer no longer owns them, ids whose reply key
 -- holds another type than a list (a producer's mistake: acked all the same, or they would
--- come back forever)}.
+-- come back forever), 1 if the answered counter holds another type than a string}.
 -- Per entry it costs one LPUSH, plus one PEXPIRE per distinct reply key: ownership is read
 -- with one XPENDING over the range of the ids, and the answered ones go in one XACK.
 -- On a cluster, an entry whose reply key is in another slot was answered by ForeignReplies
@@ -85,8 +85,9 @@ end
 for i = 1, #acked, 1000 do  -- within Lua's limit on unpacked values
   redis.call('XACK', stream, group, unpack(acked, i, math.min(i + 999, #acked)))
 end
-redis.call('INCRBY', KEYS[2], #acked)  -- acked, so off the backlog
-return {dropped, undeliverable}
+-- acked, so off the backlog; a counter squatted by another type is skipped, not fatal
+local counted = redis.pcall('INCRBY', KEYS[2], #acked)
+return {dropped, undeliverable, (type(counted) == 'table' and counted.err) and 1 or 0}
 """
 
 
@@ -95,6 +96,14 @@ class Reply:
     entry_id: str
     reply_key: str
     envelope: bytes
+
+
+def wrong_type(model_name: str, kind: str, key: str) -> None:
+    """An internal key that holds another type (squatted, or written by hand): its write is
+    skipped, counted and logged, and serving goes on. `kind`: answered, workers or dead."""
+    metrics.INTERNAL_KEY_ERRORS.labels(model_name, kind).inc()
+    log.warning("internal_key.wrong_type", key=key,
+                hint="the key holds another type; delete it (redbatch recreates it)")
 
 
 class ReplicatedScript:
@@ -164,19 +173,21 @@ class Replier:
         for r in replies:
             args += (r.entry_id, r.envelope)
         try:
-            dropped, undeliverable = self._write(keys, args)
+            dropped, undeliverable, miscounted = self._write(keys, args)
         except redis.ResponseError as exc:
             if not is_group_lost(exc):
                 raise
             return [r.entry_id for r in replies]  # Redis lost the group: none of them is ours
+        if miscounted:
+            wrong_type(self.model_name, "answered", self.answered_key)
         if undeliverable:
             metrics.UNANSWERABLE.labels(self.model_name, "reply_key_type").inc(len(undeliverable))
             log.warning("replies.undeliverable", reason="reply key is not a list",
                         entry_ids=[as_text(u) for u in undeliverable])
         return [as_text(d) for d in dropped]
 
-    def _write(self, keys: list[str], args: list[str | bytes | int]) -> list[list[bytes]]:
-        result: list[list[bytes]] = self._writes.run(keys, args)
+    def _write(self, keys: list[str], args: list[str | bytes | int]) -> list[Any]:
+        result: list[Any] = self._writes.run(keys, args)
         return result
 
     def ack(self, entry_ids: Sequence[str]) -> None:

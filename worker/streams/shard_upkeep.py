@@ -72,9 +72,10 @@ class ShardedMaintenance(Maintenance):
     def __init__(self, client: Any, reclaimers: Sequence[Reclaimer], lease_keys: Sequence[str],
                  group: str, model_name: str, interval_s: float, consumer_idle_ms: int,
                  describe: Callable[[], Mapping[str, Any]] | None = None,
-                 workers_key: str | None = None) -> None:
+                 workers_key: str | None = None,
+                 internal_keys: Mapping[str, str] | None = None) -> None:
         super().__init__(client, reclaimers[0].stream, group, model_name, reclaimers[0],
-                         interval_s, consumer_idle_ms, describe, workers_key)
+                         interval_s, consumer_idle_ms, describe, workers_key, internal_keys)
         self.shards = list(zip([r.stream for r in reclaimers], reclaimers, lease_keys,
                                strict=True))
         self.lease_ms = max(1, int(interval_s * 1000))

@@ -69,7 +69,8 @@ def sharded_parts(settings: Settings, client: Any,
     dead_letters = [DeadLetters(client, stream, group, consumer, namespace=ns, model_name=name,
                                 max_deliveries=settings.max_deliveries,
                                 result_ttl_ms=settings.result_ttl_ms,
-                                max_payload_bytes=settings.max_payload_bytes)
+                                max_payload_bytes=settings.max_payload_bytes,
+                                reply_prefixes=tuple(settings.reply_prefixes))
                     for stream in streams]
     for shard, letters in enumerate(dead_letters):
         letters.dead_stream = protocol.shard_dead_letter_key(ns, name, shard)
@@ -90,7 +91,9 @@ def sharded_parts(settings: Settings, client: Any,
             client, reclaimers, [protocol.shard_lease_key(ns, name, s, "upkeep")
                                  for s in range(count)], group, name,
             settings.maintenance_interval_s, settings.consumer_idle_ms, describe,
-            protocol.workers_key(ns, name)))
+            protocol.workers_key(ns, name),
+            {key: kind for s in range(count)
+             for key, kind in protocol.internal_keys(ns, name, s).items()}))
 
 
 def sharded_token_streams(settings: Settings, client: Any) -> ShardedTokenStreams:

@@ -66,14 +66,17 @@ class Localiser:
         for entry in entries:
             entry.id = tagged(entry.id, shard)
             fields = entry.fields
-            if fields is not None and fields.get(b"id") and b"reply_to" not in fields:
+            if fields is not None and fields.get(b"id"):
                 prefix = protocol.shard_reply_key(self.namespace, self.model, shard, "")
-                fields[b"reply_to"] = prefix.encode() + fields[b"id"]
+                default = prefix.encode() + fields[b"id"]
+                entry.default_reply = default.decode(errors="replace")
+                fields.setdefault(b"reply_to", default)
         return list(entries)
 
     def original(self, entry: Entry) -> Entry:
         """The entry with its stream's own id (for a shard's scripts)."""
-        return Entry(untagged(entry.id)[0], entry.fields, entry.redelivered)
+        return Entry(untagged(entry.id)[0], entry.fields, entry.redelivered,
+                     entry.default_reply)
 
 
 Result = list[Entry] | Exception

@@ -26,7 +26,7 @@ import redis
 from producer import connection, protocol
 from producer.replicas import ReplicaCount
 from worker.streams.reader import as_text, is_group_lost
-from worker.streams.replier import ReplicatedScript
+from worker.streams.replier import ReplicatedScript, wrong_type
 
 ALREADY_WRITTEN = "equal or smaller"  # XADD's refusal of an id not above the last one
 
@@ -68,7 +68,8 @@ FINISH_AND_ACK = APPEND_DONE + """
 -- KEYS[1] request stream, KEYS[2] answered counter, KEYS[3..n+2] reply streams
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] ttl ms, then n triples: entry id, chunk id, data
 -- (empty data: only the ack, the done entry was written elsewhere first).
--- Returns the entry ids not answered because this consumer no longer owns them.
+-- Returns {the entry ids not answered because this consumer no longer owns them, 1 if the
+-- answered counter holds another type}.
 local stream, group, consumer, ttl = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local dropped, acked = {}, 0
 for i = 1, #KEYS - 2 do
@@ -84,8 +85,28 @@ for i = 1, #KEYS - 2 do
     dropped[#dropped + 1] = id
   end
 end
-redis.call('INCRBY', KEYS[2], acked)
-return dropped
+local counted = redis.pcall('INCRBY', KEYS[2], acked)  -- squatted by another type: skipped
+return {dropped, (type(counted) == 'table' and counted.err) and 1 or 0}
+"""
+
+WRITE_CHUNKS = """
+-- KEYS[1..n] the chunks' reply streams, then the cancel keys to read.
+-- ARGV[1] ttl ms, ARGV[2] n, then per chunk: its id, its data.
+-- A chunk already there counts as written; a key of another type is skipped and never
+-- expired. Returns 1 or 0 per cancel key: set or not.
+local ttl, n = ARGV[1], tonumber(ARGV[2])
+for i = 1, n do
+  local added = redis.pcall('XADD', KEYS[i], ARGV[2 * i + 1], 'data', ARGV[2 * i + 2])
+  local err = type(added) == 'table' and added.err
+  if not err or string.find(err, 'equal or smaller', 1, true) then
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  elseif not string.find(err, 'WRONGTYPE', 1, true) then
+    return redis.error_reply(err)  -- e.g. OOM under noeviction
+  end
+end
+local flags = {}
+for i = n + 1, #KEYS do flags[#flags + 1] = redis.call('EXISTS', KEYS[i]) end
+return flags
 """
 
 KEEP_ALIVE = """
@@ -107,6 +128,18 @@ if #claim > 5 then
 end
 return lost
 """
+
+
+def _written(result: Any) -> bool:
+    """An XADD that wrote its chunk, or found it written already."""
+    if isinstance(result, redis.ResponseError):
+        if ALREADY_WRITTEN in str(result):
+            return True
+        if "WRONGTYPE" in str(result):
+            return False
+    if isinstance(result, Exception):
+        raise result
+    return True
 
 
 @dataclass(slots=True)
@@ -172,10 +205,11 @@ class TokenStreams:
         self.ttl_ms = ttl_ms
         self.answered_key = answered_key
         self._cluster = connection.is_cluster_client(client)
-        self._finish = ReplicatedScript(client, stream, FINISH_AND_ACK,
-                                        model_name or stream.rpartition(":")[2],
+        self.model_name = model_name or stream.rpartition(":")[2]
+        self._finish = ReplicatedScript(client, stream, FINISH_AND_ACK, self.model_name,
                                         replicas or ReplicaCount(0))
         self._keep_alive = client.register_script(KEEP_ALIVE)
+        self._write_chunks = client.register_script(WRITE_CHUNKS)
 
     def progress(self, keys: Sequence[str]) -> list[Progress]:
         """What each reply stream holds already (one XRANGE each, one round trip)."""
@@ -199,27 +233,33 @@ class TokenStreams:
         return [as_text(i) for i in lost]
 
     def write(self, chunks: Sequence[Chunk], cancel_keys: Sequence[str] = ()) -> list[bool]:
-        """Append the chunks (one already there counts as written); returns, for each
-        cancel key, whether it is set. One round trip."""
+        """Append the chunks (one already there counts as written) and renew the TTL of the
+        streams written, never of a key of another type; returns, for each cancel key,
+        whether it is set. One round trip (two on a Redis Cluster, whose keys span slots)."""
+        if self._cluster:
+            return self._write_on_cluster(chunks, cancel_keys)
+        args: list[str | bytes | int] = [self.ttl_ms, len(chunks)]
+        for chunk in chunks:
+            args += (f"{chunk.index}-1", chunk.data)
+        flags = self._write_chunks(keys=[*(c.key for c in chunks), *cancel_keys], args=args)
+        return [bool(flag) for flag in flags]
+
+    def _write_on_cluster(self, chunks: Sequence[Chunk], cancel_keys: Sequence[str]
+                          ) -> list[bool]:
         pipe = self.client.pipeline(transaction=False)
         for chunk in chunks:
             pipe.xadd(chunk.key, {"data": chunk.data}, id=f"{chunk.index}-1")
-            pipe.pexpire(chunk.key, self.ttl_ms)
-        if self._cluster:  # the keys are in many slots: one GET each, per node
-            for key in cancel_keys:
-                pipe.get(key)
-        elif cancel_keys:
-            pipe.mget(list(cancel_keys))
+        for key in cancel_keys:  # the keys are in many slots: one GET each, per node
+            pipe.get(key)
         results = pipe.execute(raise_on_error=False)
-        for result in results:
-            if isinstance(result, Exception) and not (
-                    isinstance(result, redis.ResponseError) and
-                    (ALREADY_WRITTEN in str(result) or "WRONGTYPE" in str(result))):
-                raise result
-        flags = results[2 * len(chunks):]
-        if not self._cluster and cancel_keys:
-            flags = flags[0]
-        return [value is not None for value in flags]
+        written = [chunk.key for chunk, result in zip(chunks, results, strict=False)
+                   if _written(result)]
+        if written:
+            pipe = self.client.pipeline(transaction=False)
+            for key in dict.fromkeys(written):
+                pipe.pexpire(key, self.ttl_ms)
+            pipe.execute()
+        return [value is not None for value in results[len(chunks):]]
 
     def finish(self, finals: Sequence[FinalChunk]) -> list[str]:
         """The last entry of each reply stream with the XACK of its request, atomically;
@@ -231,9 +271,11 @@ class TokenStreams:
         for final in finals:
             args += (final.entry_id, f"{final.chunk.index}-1", final.chunk.data)
         try:
-            dropped: list[bytes] = self._finish.run(keys, args)
+            dropped, miscounted = self._finish.run(keys, args)
         except redis.ResponseError as exc:
             if not is_group_lost(exc):
                 raise
             return [f.entry_id for f in finals]
+        if miscounted:
+            wrong_type(self.model_name, "answered", self.answered_key)
         return [as_text(d) for d in dropped]

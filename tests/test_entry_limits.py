@@ -1,0 +1,114 @@
+"""What a worker accepts of an entry before any work on it (issue 30): a reply_to confined to
+the reply prefixes, bounded entries, and payloads that cannot blow up when decoded."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgpack
+import pytest
+
+from producer import protocol
+from producer.protocol import JSON, MSGPACK, EntryRules, InvalidEntry
+
+LIMIT = 1000
+
+
+def parse(reply_prefixes: tuple[str, ...] = (), default: str | None = None,
+          **fields: bytes) -> protocol.Request:
+    return protocol.parse_entry({k.encode(): v for k, v in fields.items()}, "ns", LIMIT,
+                                reply_prefixes=reply_prefixes, default_reply=default)
+
+
+def refused(**fields: bytes) -> InvalidEntry:
+    with pytest.raises(InvalidEntry) as caught:
+        parse(**fields)
+    return caught.value
+
+
+@pytest.mark.parametrize("reply_to", [
+    b"ns:requests:other-model", b"ns:answered:echo", b"ns:workers:echo", b"ns:dead:echo",
+    b"app:sessions", b"ns:replyX", b"NS:reply:x", b"ns:inflight:x", b"\xff",
+    b"ns:reply:" + b"x" * protocol.MAX_REPLY_TO_BYTES])
+def test_a_reply_to_outside_the_reply_prefixes_is_answered_on_the_default_key(
+        reply_to: bytes) -> None:
+    error = refused(id=b"r1", payload=b"x", reply_to=reply_to)
+    assert error.answerable and error.reply_to == "ns:reply:r1"
+    assert error.details == {"field": "reply_to"}
+
+
+def test_on_a_cluster_the_default_is_the_shards_own() -> None:
+    with pytest.raises(InvalidEntry) as caught:
+        parse(default="ns:reply:{m:3}:r1", id=b"r1", payload=b"x", reply_to=b"elsewhere")
+    assert caught.value.reply_to == "ns:reply:{m:3}:r1"
+
+
+def test_reply_and_stream_prefixes_and_a_settings_own_are_accepted() -> None:
+    assert parse(id=b"r1", payload=b"x", reply_to=b"ns:reply:batch-1").reply_to == \
+        "ns:reply:batch-1"
+    assert parse(id=b"r1", payload=b"x", reply_to=b"ns:stream:s1").reply_to == "ns:stream:s1"
+    assert parse(("app:answers:",), id=b"r1", payload=b"x",
+                 reply_to=b"app:answers:7").reply_to == "app:answers:7"
+
+
+def test_each_kind_of_answer_goes_under_its_own_prefix() -> None:
+    rules = EntryRules("ns", LIMIT)
+    request = protocol.Request("r1", b"", MSGPACK, "ns:stream:s1", default_reply="ns:reply:r1")
+    assert protocol.misdirected(request, streamed=False, rules=rules)  # a list on a stream key
+    assert not protocol.misdirected(request, streamed=True, rules=rules)
+    listed = protocol.Request("r1", b"", MSGPACK, "ns:reply:mine")
+    assert protocol.misdirected(listed, streamed=True, rules=rules)  # a stream on a list key
+    default = protocol.Request("r1", b"", MSGPACK, "ns:reply:r1")
+    assert not protocol.misdirected(default, streamed=True, rules=rules)  # -> ns:stream:r1
+    sharded = protocol.Request("r1", b"", MSGPACK, "ns:reply:{m:2}:r1")
+    assert not protocol.misdirected(sharded, streamed=True, rules=rules)
+
+
+def test_too_many_fields_are_refused_before_any_work() -> None:
+    extra = {f"f{n}": b"" for n in range(5000)}
+    error = refused(id=b"r1", payload=b"x", **extra)
+    assert error.answerable and error.details == {"reason": "entry_too_large"}
+    assert "5002 fields" in str(error)
+
+
+def test_the_whole_entry_is_bounded_not_only_the_payload() -> None:
+    error = refused(id=b"r1", payload=b"x", junk=b"j" * (LIMIT + protocol.ENTRY_OVERHEAD_BYTES))
+    assert error.details == {"reason": "entry_too_large"}
+
+
+def test_a_huge_content_type_is_not_echoed_back() -> None:
+    error = refused(id=b"r1", payload=b"x", content_type=b"t" * 4000)
+    assert len(str(error)) < 200 and error.details["field"] == "content_type"
+
+
+def test_msgpack_of_many_small_containers_is_refused_quickly() -> None:
+    """1 MiB of empty maps would become about 72 MiB of dicts."""
+    hostile = msgpack.packb([[{}] * 60_000 for _ in range(17)])
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="arrays and maps"):
+        protocol.decode(hostile, MSGPACK)
+    assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize("hostile", [
+    msgpack.packb([None] * (protocol.MAX_CONTAINER_ITEMS + 1)),
+    b"\xdd\xff\xff\xff\xff",  # an array header claiming 4 G items
+    msgpack.packb({"text": msgpack.ExtType(1, b"x" * 100)}),
+])
+def test_msgpack_container_limits(hostile: bytes) -> None:
+    with pytest.raises(ValueError, match="msgpack"):
+        protocol.decode(hostile, MSGPACK)
+
+
+def test_json_of_many_objects_is_refused() -> None:
+    with pytest.raises(ValueError, match="too complex"):
+        protocol.decode(json.dumps([{}] * (protocol.MAX_CONTAINERS + 1)).encode(), JSON)
+
+
+def test_ordinary_payloads_still_decode() -> None:
+    payload = {"text": "x" * 100_000, "messages": [{"role": "user", "content": "hi"}] * 50,
+               "embedding": b"\x00" * 1536}
+    assert protocol.decode(msgpack.packb(payload), MSGPACK) == payload
+    assert protocol.decode(json.dumps({"a": [1, 2, {"b": None}]}).encode(), JSON) == \
+        {"a": [1, 2, {"b": None}]}
