@@ -1,7 +1,7 @@
 """redbatch producer: the wire protocol and the Python client for redbatch workers."""
 
+from producer.async_client import AsyncClient
 from producer.client import (
-    AsyncClient,
     Client,
     Overloaded,
     RedbatchError,

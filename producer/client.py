@@ -8,7 +8,6 @@ round-robin, per-shard reply keys) in producer/sharded.py; all are re-exported h
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -28,7 +27,6 @@ from producer.errors import (  # noqa: F401 (re-exported: callers import them fr
 from producer.replicas import AUTO, ReplicaCount
 from producer.sharded import REMEMBERED_REPLY_KEYS, ShardedSubmit, Sharding  # noqa: F401
 
-log = logging.getLogger("redbatch.client")
 DEFAULT_URL = "redis://localhost:6379/0"
 PIPELINE_CHUNK = 1000
 # Each BLPOP blocks at most this long, well inside the client's socket timeout (redis-py 8
@@ -84,16 +82,9 @@ class _Base(Sharding):
     def _own(self, data: bytes, request_ids: Collection[str]) -> dict[str, Any] | None:
         """The envelope when it answers one of `request_ids`; else None, counted: any
         producer can name our reply key as its reply_to, so an envelope's id is checked."""
-        try:
-            envelope = protocol.decode_envelope(data)
-        except Exception:  # not an envelope at all: json and msgpack raise several types
-            envelope = None
-        if envelope is not None and envelope.get("id") in request_ids:
-            return envelope
-        self.foreign_envelopes += 1
-        log.warning("dropped a reply that answers none of the requests waited for "
-                    "(id %r)", str(envelope.get("id"))[:64] if envelope else None)
-        return None
+        envelope = protocol.envelope_for(data, request_ids)
+        self.foreign_envelopes += envelope is None
+        return envelope
 
     def _once_call(self, ids: Sequence[str], entries: list[Any],
                    shard: int | None = None) -> tuple[list[str], list[Any]]:
@@ -265,8 +256,7 @@ class Client(ShardedSubmit, _Base):
 
     def wait(self, request_id: str, timeout: float = 30.0,
              reply_to: str | None = None) -> dict[str, Any]:
-        """The reply envelope of one request (ok or not); ResultTimeout if none came. An
-        envelope of another id on its key is dropped and counted (foreign_envelopes)."""
+        """Its reply envelope (ok or not), never another id's; ResultTimeout if none came."""
         key = reply_to or self.reply_key(request_id)
         for block_s in block_slices(timeout):
             popped: Any = self.redis.blpop([key], timeout=block_s)
@@ -299,8 +289,7 @@ class Client(ShardedSubmit, _Base):
             more = count - len(envelopes) - 1
             batch = [popped[1], *((self.redis.lpop(reply_to, more) or []) if more else [])]
             for data in batch:
-                envelope = self._own(data, ids) if ids is not None else \
-                    protocol.decode_envelope(data)
+                envelope = protocol.decode_envelope(data) if ids is None else self._own(data, ids)
                 if envelope:
                     envelopes.append(envelope)
                     if on_reply:
@@ -309,8 +298,3 @@ class Client(ShardedSubmit, _Base):
 
     def close(self) -> None:
         self.redis.close()
-
-
-# Re-exported, so `from producer.client import AsyncClient` keeps working. Imported last:
-# producer.async_client builds on the definitions above.
-from producer.async_client import AsyncClient as AsyncClient  # noqa: E402

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -15,6 +16,7 @@ import msgpack
 
 # The Redis Cluster keys (shards of one logical queue) live in producer/shards.py; they are
 # part of the wire format, so they are re-exported here.
+from producer.entry_rules import MAX_CONTAINER_ITEMS, ContainerCount, EntryRules
 from producer.shards import (  # noqa: F401
     HASH_SLOTS,
     check_cluster_names,
@@ -40,11 +42,6 @@ MSGPACK = "application/msgpack"
 JSON = "application/json"
 CONTENT_TYPES = (MSGPACK, JSON)
 MAX_ID_BYTES = 256
-MAX_REPLY_TO_BYTES = 512  # room for a namespace, a shard tag and a 256-byte id
-MAX_ENTRY_FIELDS = 16  # the six of the protocol and a few of a producer's own
-ENTRY_OVERHEAD_BYTES = 16384  # what the fields other than `payload` may add up to
-MAX_CONTAINERS = 16384  # arrays and maps in one payload: each costs ~60 bytes decoded
-MAX_CONTAINER_ITEMS = 65536  # items of one array or map, and bytes of one string (msgpack)
 
 
 class ErrorCode(StrEnum):
@@ -66,16 +63,6 @@ def stream_key(namespace: str, model: str) -> str:
 
 def reply_key(namespace: str, request_id: str) -> str:
     return f"{namespace}:reply:{request_id}"
-
-
-def reply_prefix(namespace: str) -> str:
-    """List replies may only go under this prefix (or a `reply_prefixes` setting's)."""
-    return f"{namespace}:reply:"
-
-
-def token_stream_prefix(namespace: str) -> str:
-    """Streamed replies may only go under this prefix (or a `reply_prefixes` setting's)."""
-    return f"{namespace}:stream:"
 
 
 def inflight_key(namespace: str, reply_to: str, request_id: str) -> str:
@@ -152,27 +139,10 @@ def _packer() -> msgpack.Packer:
     return packer
 
 
-class _Containers:
-    """Counts the arrays and maps a decoder builds, and stops it past MAX_CONTAINERS: an
-    empty map is one byte of msgpack and about 70 bytes in Python, so 1 MiB could become
-    72 MiB before any model looks at it."""
-
-    __slots__ = ("left",)
-
-    def __init__(self) -> None:
-        self.left = MAX_CONTAINERS
-
-    def __call__(self, container: Any) -> Any:
-        self.left -= 1
-        if self.left < 0:
-            raise ValueError(f"more than {MAX_CONTAINERS} arrays and maps")
-        return container
-
-
 def decode(data: bytes, content_type: str) -> Any:
     """Decode a payload within the container limits; raises ValueError with a readable
     reason on bad or oversized input."""
-    count = _Containers()
+    count = ContainerCount()
     if content_type == JSON:
         try:
             return json.loads(data, object_hook=count)
@@ -201,6 +171,16 @@ def decode_envelope(data: bytes) -> dict[str, Any]:
     if not isinstance(envelope, dict) or "ok" not in envelope:
         raise ValueError("reply is not a redbatch envelope")
     return envelope
+
+
+def envelope_for(data: bytes, request_ids: Collection[str]) -> dict[str, Any] | None:
+    """The envelope in `data` when it answers one of `request_ids`, else None: a reply key
+    can receive envelopes of others' requests (any producer may name it as its reply_to)."""
+    try:
+        envelope = decode_envelope(data)
+    except Exception:  # not an envelope at all: json and msgpack raise several types
+        return None
+    return envelope if envelope.get("id") in request_ids else None
 
 
 def success_envelope(request_id: str, result: Any, meta: dict[str, Any]) -> dict[str, Any]:
@@ -285,24 +265,6 @@ def _integer(value: bytes | None, name: str) -> int | None:
         raise ValueError(f"field '{name}' must be an integer, got {value[:40]!r}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class EntryRules:
-    """What a worker accepts of an entry: sizes, and where it may be answered."""
-
-    namespace: str
-    max_payload_bytes: int
-    reply_prefixes: tuple[str, ...] = ()  # allowed besides <ns>:reply: and <ns>:stream:
-
-    def list_reply_allowed(self, key: str) -> bool:
-        return key.startswith((reply_prefix(self.namespace), *self.reply_prefixes))
-
-    def stream_reply_allowed(self, key: str) -> bool:
-        return key.startswith((token_stream_prefix(self.namespace), *self.reply_prefixes))
-
-    def max_entry_bytes(self) -> int:
-        return self.max_payload_bytes + ENTRY_OVERHEAD_BYTES
-
-
 def parse_entry(fields: dict[bytes, bytes], namespace: str, max_payload_bytes: int, *,
                 reply_prefixes: tuple[str, ...] = (), default_reply: str | None = None
                 ) -> Request:
@@ -342,33 +304,20 @@ def _reply_to(raw: bytes | None, default: str, request_id: str, rules: EntryRule
     """The entry's reply key: its `reply_to` when that is under an allowed prefix."""
     if not raw:
         return default
-    if len(raw) > MAX_REPLY_TO_BYTES:
-        raise InvalidEntry(f"'reply_to' is longer than {MAX_REPLY_TO_BYTES} bytes",
-                           request_id, default, field="reply_to")
-    try:
-        reply_to = raw.decode()
-    except UnicodeDecodeError:
-        raise InvalidEntry("field 'reply_to' is not UTF-8", request_id, default,
-                           field="reply_to") from None
-    if rules.list_reply_allowed(reply_to) or rules.stream_reply_allowed(reply_to):
-        return reply_to
-    raise InvalidEntry(f"'reply_to' must start with {reply_prefix(rules.namespace)!r} or "
-                       f"{token_stream_prefix(rules.namespace)!r}", request_id, default,
-                       field="reply_to")
+    problem = rules.reply_to_problem(raw)
+    if problem:
+        raise InvalidEntry(problem, request_id, default, field="reply_to")
+    return raw.decode()
 
 
 def _check_size(fields: dict[bytes, bytes], request: Request, rules: EntryRules) -> None:
     """Refuse an entry with too many fields or too many bytes, before any work on it."""
-    problem = None
-    if len(fields) > MAX_ENTRY_FIELDS:
-        problem = f"entry has {len(fields)} fields, above the limit of {MAX_ENTRY_FIELDS}"
-    else:
-        size = sum(len(k) + len(v) for k, v in fields.items())
-        if size > rules.max_entry_bytes():
-            problem = f"entry is {size} bytes, above the limit of {rules.max_entry_bytes()}"
+    problem = rules.size_problem(fields)
     if problem:
         raise InvalidEntry(problem, request.id, request.reply_to,
                            default_reply=request.default_reply, reason="entry_too_large")
+
+
 def _checked(request: Request, missing: bool, deadline: bytes | None, priority: bytes | None,
              max_payload_bytes: int) -> Request:
     """The rest of parse_entry: each problem is answered in the request's content type."""
@@ -405,10 +354,3 @@ def misdirected(request: Request, streamed: bool, rules: EntryRules) -> bool:
         key = token_stream_key(rules.namespace, request.id, request.reply_to)
         return not rules.stream_reply_allowed(key)
     return not rules.list_reply_allowed(request.reply_to)
-
-
-def misdirected_message(streamed: bool, rules: EntryRules) -> str:
-    if streamed:
-        return (f"a streamed answer's 'reply_to' must start with "
-                f"{token_stream_prefix(rules.namespace)!r}")
-    return f"a list reply's 'reply_to' must start with {reply_prefix(rules.namespace)!r}"

@@ -9,8 +9,9 @@ import time
 import msgpack
 import pytest
 
-from producer import protocol
-from producer.protocol import JSON, MSGPACK, EntryRules, InvalidEntry
+from producer import entry_rules, protocol
+from producer.entry_rules import EntryRules
+from producer.protocol import JSON, MSGPACK, InvalidEntry
 
 LIMIT = 1000
 
@@ -30,7 +31,7 @@ def refused(**fields: bytes) -> InvalidEntry:
 @pytest.mark.parametrize("reply_to", [
     b"ns:requests:other-model", b"ns:answered:echo", b"ns:workers:echo", b"ns:dead:echo",
     b"app:sessions", b"ns:replyX", b"NS:reply:x", b"ns:inflight:x", b"\xff",
-    b"ns:reply:" + b"x" * protocol.MAX_REPLY_TO_BYTES])
+    b"ns:reply:" + b"x" * entry_rules.MAX_REPLY_TO_BYTES])
 def test_a_reply_to_outside_the_reply_prefixes_is_answered_on_the_default_key(
         reply_to: bytes) -> None:
     error = refused(id=b"r1", payload=b"x", reply_to=reply_to)
@@ -73,7 +74,7 @@ def test_too_many_fields_are_refused_before_any_work() -> None:
 
 
 def test_the_whole_entry_is_bounded_not_only_the_payload() -> None:
-    error = refused(id=b"r1", payload=b"x", junk=b"j" * (LIMIT + protocol.ENTRY_OVERHEAD_BYTES))
+    error = refused(id=b"r1", payload=b"x", junk=b"j" * (LIMIT + entry_rules.ENTRY_OVERHEAD_BYTES))
     assert error.details == {"reason": "entry_too_large"}
 
 
@@ -92,7 +93,7 @@ def test_msgpack_of_many_small_containers_is_refused_quickly() -> None:
 
 
 @pytest.mark.parametrize("hostile", [
-    msgpack.packb([None] * (protocol.MAX_CONTAINER_ITEMS + 1)),
+    msgpack.packb([None] * (entry_rules.MAX_CONTAINER_ITEMS + 1)),
     b"\xdd\xff\xff\xff\xff",  # an array header claiming 4 G items
     msgpack.packb({"text": msgpack.ExtType(1, b"x" * 100)}),
 ])
@@ -103,7 +104,7 @@ def test_msgpack_container_limits(hostile: bytes) -> None:
 
 def test_json_of_many_objects_is_refused() -> None:
     with pytest.raises(ValueError, match="too complex"):
-        protocol.decode(json.dumps([{}] * (protocol.MAX_CONTAINERS + 1)).encode(), JSON)
+        protocol.decode(json.dumps([{}] * (entry_rules.MAX_CONTAINERS + 1)).encode(), JSON)
 
 
 def test_ordinary_payloads_still_decode() -> None:

@@ -11,7 +11,8 @@ import redis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from producer import Client, protocol
+from producer import Client
+from producer.entry_rules import EntryRules
 from producer.protocol import MSGPACK, decode_envelope, encode, entry_fields, stream_key
 from tests.chaos import pending, request_ids, wait_until
 from tests.conftest import loaded_model, running_worker
@@ -48,7 +49,7 @@ def test_poison_policy_and_backoff_are_bounded() -> None:
 
 
 def test_reply_target_recovers_what_it_can() -> None:
-    rules = protocol.EntryRules("redbatch", 100)
+    rules = EntryRules("redbatch", 100)
     assert reply_target(None, rules) is None
     assert reply_target({b"payload": b"x"}, rules) is None  # no id: cannot answer
     assert reply_target({b"id": b"r1", b"content_type": b"bogus"}, rules) == (
@@ -84,7 +85,7 @@ def test_fuzzed_entries_never_stop_good_requests(redis_url: str, r: redis.Redis)
             assert {i: a["result"] for i, a in answers.items()} == dict(good)
             wait_until(lambda: not pending(r, STREAM), 10, "every entry acked")
             for fields in bad_entries:
-                target = reply_target(fields, protocol.EntryRules("redbatch", 1 << 20))
+                target = reply_target(fields, EntryRules("redbatch", 1 << 20))
                 if target and r.type(target[1]) == b"list":
                     request_id = target[0]
                     assert any(decode_envelope(e)["id"] == request_id

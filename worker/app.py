@@ -47,14 +47,13 @@ from worker.policy.latency import LatencyPolicy
 from worker.policy.layout import Layout, choose_layout
 from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
-from worker.streams.dead_letters import DeadLetters
+from worker.streams import sharding
 from worker.streams.id_claims import IdClaims
 from worker.streams.maintenance import Maintenance
 from worker.streams.reader import StreamReader
 from worker.streams.reclaimer import Reclaimer
 from worker.streams.replier import Replier
 from worker.streams.server import RedisServer
-from worker.streams.sharding import AnyTokenStreams, sharded_parts, sharded_token_streams
 from worker.streams.token_streams import TokenStreams
 
 log = structlog.get_logger("redbatch")
@@ -187,7 +186,7 @@ def generation_parts(settings: Settings, model: Model, client: redis.Redis,
     assert isinstance(model, CausalLM), "generative models derive from CausalLM"
     fit_kv_cache(model, memory.read(), settings.memory_high_watermark)
     stream = protocol.stream_key(settings.namespace, settings.model_name)
-    streams: AnyTokenStreams = sharded_token_streams(settings, client) \
+    streams: sharding.AnyTokenStreams = sharding.sharded_token_streams(settings, client) \
         if connection.is_cluster_client(client) else TokenStreams(
             client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
             protocol.answered_key(settings.namespace, settings.model_name), settings.model_name,
@@ -222,7 +221,7 @@ def redis_parts(settings: Settings, client: redis.Redis,
     Redis Cluster one of each per shard (streams/sharding.py)."""
     if connection.is_cluster_client(client):
         try:
-            return sharded_parts(settings, client, describe)
+            return sharding.sharded_parts(settings, client, describe)
         except ValueError as exc:  # a brace in a name, a bad published shard count
             raise StartupError(str(exc)) from None
     name = settings.model_name
@@ -236,11 +235,7 @@ def redis_parts(settings: Settings, client: redis.Redis,
                         replicas=ReplicaCount(settings.replicas_to_wait,
                                                          settings.replicas_wait_ms)),
         reclaimer=reclaimer,
-        dead_letters=DeadLetters(
-            client, stream, group, consumer, namespace=settings.namespace, model_name=name,
-            max_deliveries=settings.max_deliveries, result_ttl_ms=settings.result_ttl_ms,
-            max_payload_bytes=settings.max_payload_bytes,
-            reply_prefixes=tuple(settings.reply_prefixes)),
+        dead_letters=sharding.dead_letters_of(settings, client, stream),
         maintenance=Maintenance(client, stream, group, name, reclaimer,
                                 settings.maintenance_interval_s, settings.consumer_idle_ms,
                                 describe, protocol.workers_key(settings.namespace, name),

@@ -22,7 +22,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from producer import connection, protocol
-from producer.client import PIPELINE_CHUNK, AsyncClient, Overloaded, block_slices, new_request_id
+from producer.async_client import AsyncClient
+from producer.client import PIPELINE_CHUNK, Overloaded, block_slices, new_request_id
 from producer.gateway import errors
 
 

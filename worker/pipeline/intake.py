@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from producer import protocol
+from producer.entry_rules import EntryRules
 from producer.protocol import ErrorCode, InvalidEntry, Request
 from worker.models.base import InvalidInput, Model
 from worker.observe import metrics
@@ -74,7 +75,7 @@ class Intake:
         self.retry = retry
         self.targeted = targeted
         self.ids = ids
-        self.rules = protocol.EntryRules(config.namespace, config.max_payload_bytes,
+        self.rules = EntryRules(config.namespace, config.max_payload_bytes,
                                          config.reply_prefixes)
         self.read_time = ReadTimeAnswers(config.model_name, replier, inflight, answers, retry)
 
@@ -213,7 +214,7 @@ class Intake:
             payload = protocol.decode(request.payload, request.content_type)
             streamed = self.model.generative and self.model.answers_on_stream(payload)
             if protocol.misdirected(request, streamed, self.rules):
-                raise InvalidInput(protocol.misdirected_message(streamed, self.rules),
+                raise InvalidInput(self.rules.misdirected_message(streamed),
                                    field="reply_to")
             item = self.model.prepare(payload, len(request.payload))
         except InvalidInput as exc:

@@ -17,6 +17,7 @@ import redis
 import structlog
 
 from producer import protocol
+from producer.entry_rules import EntryRules
 from producer.protocol import ErrorCode, InvalidEntry
 from worker.observe import metrics
 from worker.streams.reader import Entry, Fields, as_text, is_group_lost
@@ -112,7 +113,7 @@ def is_poison(deliveries: int, max_deliveries: int) -> bool:
     return deliveries > max_deliveries
 
 
-def reply_target(fields: Fields | None, rules: protocol.EntryRules
+def reply_target(fields: Fields | None, rules: EntryRules
                  ) -> tuple[str, str, str] | None:
     """(request id, reply list, content type) of an entry, when it can be answered at all:
     its reply_to when that is a list reply key, else its default reply key."""
@@ -147,7 +148,7 @@ class DeadLetters:
         self.model_name = model_name
         self.max_deliveries = max_deliveries
         self.result_ttl_ms = result_ttl_ms
-        self.rules = protocol.EntryRules(namespace, max_payload_bytes, reply_prefixes)
+        self.rules = EntryRules(namespace, max_payload_bytes, reply_prefixes)
         self._move = client.register_script(MOVE_TO_DEAD)
         self.foreign: ForeignReplies | None = None  # on a cluster (shard_upkeep.py)
 

@@ -53,6 +53,16 @@ def resolve_shards(client: Any, namespace: str, model: str, wanted: int) -> int:
     return published
 
 
+def dead_letters_of(settings: Settings, client: Any, stream: str) -> DeadLetters:
+    """The dead-letter diversion of one stream (a single Redis's, or a shard's)."""
+    return DeadLetters(client, stream, settings.group, settings.consumer,
+                       namespace=settings.namespace, model_name=settings.model_name,
+                       max_deliveries=settings.max_deliveries,
+                       result_ttl_ms=settings.result_ttl_ms,
+                       max_payload_bytes=settings.max_payload_bytes,
+                       reply_prefixes=tuple(settings.reply_prefixes))
+
+
 def sharded_parts(settings: Settings, client: Any,
                   describe: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
     """The parts that talk to Redis, one per shard, wrapped as one (see the docstring)."""
@@ -66,12 +76,7 @@ def sharded_parts(settings: Settings, client: Any,
     reclaimers = [Reclaimer(client, stream, group, consumer, settings.claim_idle_ms, name)
                   for stream in streams]
     foreign = ForeignReplies(client, ns, settings.result_ttl_ms, name, replicas)
-    dead_letters = [DeadLetters(client, stream, group, consumer, namespace=ns, model_name=name,
-                                max_deliveries=settings.max_deliveries,
-                                result_ttl_ms=settings.result_ttl_ms,
-                                max_payload_bytes=settings.max_payload_bytes,
-                                reply_prefixes=tuple(settings.reply_prefixes))
-                    for stream in streams]
+    dead_letters = [dead_letters_of(settings, client, stream) for stream in streams]
     for shard, letters in enumerate(dead_letters):
         letters.dead_stream = protocol.shard_dead_letter_key(ns, name, shard)
         letters.foreign = foreign

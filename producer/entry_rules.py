@@ -1,0 +1,89 @@
+"""What a worker accepts of a request entry, before any work on it: its size, the size of
+its decoded payload, and where it may be answered (docs/protocol.md, "Limits").
+
+A producer that can only XADD must not be able to make a worker write, expire or create
+any key but the reply keys: a list reply goes under `<ns>:reply:`, a streamed one under
+`<ns>:stream:` (or under prefixes a `reply_prefixes` setting adds). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MAX_REPLY_TO_BYTES = 512  # room for a namespace, a shard tag and a 256-byte id
+MAX_ENTRY_FIELDS = 16  # the six of the protocol and a few of a producer's own
+ENTRY_OVERHEAD_BYTES = 16384  # what the fields other than `payload` may add up to
+MAX_CONTAINERS = 16384  # arrays and maps in one payload: each costs ~60 bytes decoded
+MAX_CONTAINER_ITEMS = 65536  # items of one msgpack array or map
+
+
+@dataclass(frozen=True, slots=True)
+class EntryRules:
+    """Sizes, and where a reply may go."""
+
+    namespace: str
+    max_payload_bytes: int
+    reply_prefixes: tuple[str, ...] = ()  # allowed besides <ns>:reply: and <ns>:stream:
+
+    @property
+    def reply_prefix(self) -> str:
+        return f"{self.namespace}:reply:"
+
+    @property
+    def stream_prefix(self) -> str:
+        return f"{self.namespace}:stream:"
+
+    def list_reply_allowed(self, key: str) -> bool:
+        return key.startswith((self.reply_prefix, *self.reply_prefixes))
+
+    def stream_reply_allowed(self, key: str) -> bool:
+        return key.startswith((self.stream_prefix, *self.reply_prefixes))
+
+    def max_entry_bytes(self) -> int:
+        return self.max_payload_bytes + ENTRY_OVERHEAD_BYTES
+
+    def reply_to_problem(self, raw: bytes) -> str | None:
+        """Why a `reply_to` cannot be used, or None: too long, not UTF-8, or outside
+        every reply prefix."""
+        if len(raw) > MAX_REPLY_TO_BYTES:
+            return f"'reply_to' is longer than {MAX_REPLY_TO_BYTES} bytes"
+        try:
+            reply_to = raw.decode()
+        except UnicodeDecodeError:
+            return "field 'reply_to' is not UTF-8"
+        if self.list_reply_allowed(reply_to) or self.stream_reply_allowed(reply_to):
+            return None
+        return (f"'reply_to' must start with {self.reply_prefix!r} or "
+                f"{self.stream_prefix!r}")
+
+    def size_problem(self, fields: dict[bytes, bytes]) -> str | None:
+        """Why an entry is too large to look at, or None."""
+        if len(fields) > MAX_ENTRY_FIELDS:
+            return f"entry has {len(fields)} fields, above the limit of {MAX_ENTRY_FIELDS}"
+        size = sum(len(k) + len(v) for k, v in fields.items())
+        if size > self.max_entry_bytes():
+            return f"entry is {size} bytes, above the limit of {self.max_entry_bytes()}"
+        return None
+
+    def misdirected_message(self, streamed: bool) -> str:
+        if streamed:
+            return f"a streamed answer's 'reply_to' must start with {self.stream_prefix!r}"
+        return f"a list reply's 'reply_to' must start with {self.reply_prefix!r}"
+
+
+class ContainerCount:
+    """Counts the arrays and maps a decoder builds (its object and list hook), and stops
+    it past MAX_CONTAINERS: an empty map is one byte of msgpack and about 70 bytes in
+    Python, so 1 MiB could become 72 MiB before any model looks at it."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_CONTAINERS
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError(f"more than {MAX_CONTAINERS} arrays and maps")
+        return container
