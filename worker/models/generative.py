@@ -29,6 +29,8 @@ from worker.models.generation_params import (
 )
 from worker.policy.decoding import SchedulerLimits
 
+PREFIX_CHARS_PER_TOKEN = 8  # twice English's 4: a prefix this long shows most overflows
+
 
 def context_window(config: Any) -> int:
     text = config.get_text_config(decoder=True)
@@ -65,6 +67,7 @@ class CausalLM(Model):
         self.lm = lm.to(device).eval()
         self.device = device
         self.context = context_window(self.lm.config)
+        self.longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
         eos = self.lm.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {int(e) for e in [*eos_ids, self.tokenizer.eos_token_id]
@@ -99,14 +102,30 @@ class CausalLM(Model):
                 raise InvalidInput("this model has no chat template: send 'prompt'", "messages")
             text = tokenizer.apply_chat_template(prompt, tokenize=False,
                                                  add_generation_prompt=True)
+            self._refuse_sure_overflow(text)
             ids = list(tokenizer(text, add_special_tokens=False).input_ids)
         else:
+            self._refuse_sure_overflow(prompt)
             ids = list(tokenizer(prompt).input_ids)
         if not ids and tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id]
         if not ids:
             raise InvalidInput("'prompt' is empty", "prompt")
         return ids
+
+    def _refuse_sure_overflow(self, text: str) -> None:
+        """Refuse a text sure to overflow the context window before tokenising it whole (a
+        1 MiB prompt takes the reader thread 0.7 s): one longer than the window's tokens at
+        the vocabulary's longest token cannot fit, nor can one whose first 8 characters per
+        window token already make more tokens than the window holds."""
+        head = self.context * PREFIX_CHARS_PER_TOKEN
+        if len(text) > self.context * self.longest_token or (
+                len(text) > head and
+                len(self.tokenizer(text[:head], add_special_tokens=False).input_ids)
+                > self.context):
+            raise InvalidInput(f"prompt is {len(text)} characters, more tokens than the "
+                               f"context window of this model ({self.context} tokens)",
+                               reason="context_window")
 
     def answers_on_stream(self, payload: Any) -> bool:
         return wants_stream(payload)
