@@ -102,7 +102,7 @@ class CausalLM(Model):
                 raise InvalidInput("this model has no chat template: send 'prompt'", "messages")
             text = tokenizer.apply_chat_template(prompt, tokenize=False,
                                                  add_generation_prompt=True)
-            self._refuse_sure_overflow(text)
+            self._refuse_sure_overflow(str(text))
             ids = list(tokenizer(text, add_special_tokens=False).input_ids)
         else:
             self._refuse_sure_overflow(prompt)
