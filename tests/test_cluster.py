@@ -221,3 +221,30 @@ def test_a_crash_between_the_foreign_push_and_the_ack_gives_one_push(
     assert Counter(e["id"] for e in replies) == {"req-x": 1}
     assert replies[0]["result"] == "first"  # the dying worker's push, the heir's skipped
     client.close()
+
+
+def test_hostile_entries_are_answered_in_the_shards_slot(rig: ClusterRig) -> None:
+    """Issue 30 on a cluster: a reply_to outside the reply keys is answered on the shard's
+    default reply key, and a second entry with an id in flight is answered duplicate_id
+    (the in-flight marks are a pipeline across slots)."""
+    url = rig.url()
+    client = Client(url, "echo", cluster=True)
+    stream = protocol.shard_stream_key("redbatch", "echo", 0)
+    with cluster_worker(url):
+        client.redis.xadd(stream, {"id": "evil", "payload": json.dumps(1),
+                                   "content_type": protocol.JSON,
+                                   "reply_to": "redbatch:requests:other"})
+        for value in (1, 2):
+            client.redis.xadd(stream, {"id": "twice", "payload": json.dumps(value),
+                                       "content_type": protocol.JSON})
+        evil = client.redis.blpop([protocol.shard_reply_key("redbatch", "echo", 0, "evil")],
+                                  timeout=20)
+        twice = [client.redis.blpop([protocol.shard_reply_key("redbatch", "echo", 0,
+                                                              "twice")], timeout=20)
+                 for _ in range(2)]
+    assert evil is not None
+    assert protocol.decode_envelope(evil[1])["error"]["field"] == "reply_to"
+    outcomes = sorted(str(e.get("result") or e["error"]["code"])
+                      for e in (protocol.decode_envelope(p[1]) for p in twice if p))
+    assert outcomes == ["1", "duplicate_id"]
+    assert not client.redis.exists("redbatch:requests:other")

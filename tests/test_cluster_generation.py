@@ -75,7 +75,7 @@ def test_generation_streams_on_a_cluster(rig: ClusterRig, tiny_path: Path) -> No
     client = Client(url, "causal_lm", cluster=True)
     with cluster_worker(url, "causal_lm", model_options=options(tiny_path)):
         own = client.submit_many([{"prompt": p} for p in PROMPTS])
-        foreign = [f"mystreams:{uuid.uuid4().hex}" for _ in PROMPTS]
+        foreign = [f"redbatch:stream:{uuid.uuid4().hex}" for _ in PROMPTS]
         elsewhere = [client.submit({"prompt": p}, reply_to=key)
                      for p, key in zip(PROMPTS, foreign, strict=True)]
         quiet = client.submit({"prompt": PROMPTS[0], "stream": False})
