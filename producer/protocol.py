@@ -76,6 +76,13 @@ def workers_key(namespace: str, model: str) -> str:
     return f"{namespace}:workers:{model}"
 
 
+def models_key(namespace: str) -> str:
+    """The model registry, a hash model -> JSON {"seen_ms", "generative"}: every worker
+    refreshes its model's entry when it announces itself, so the gateway lists the models
+    without scanning the keyspace."""
+    return f"{namespace}:models"
+
+
 def token_stream_key(namespace: str, request_id: str, reply_to: str | None = None) -> str:
     """Where a generative model streams its answer: `reply_to` when the request named one,
     else a stream of its own. A default list reply key counts as none: `<ns>:reply:<id>`

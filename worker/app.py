@@ -223,8 +223,8 @@ def redis_parts(settings: Settings, client: redis.Redis,
             return sharded_parts(settings, client, describe)
         except ValueError as exc:  # a brace in a name, a bad published shard count
             raise StartupError(str(exc)) from None
-    name = settings.model_name
-    stream = protocol.stream_key(settings.namespace, name)
+    name, ns = settings.model_name, settings.namespace
+    stream = protocol.stream_key(ns, name)
     group, consumer = settings.group, settings.consumer
     reclaimer = Reclaimer(client, stream, group, consumer, settings.claim_idle_ms, name)
     return dict(
@@ -240,7 +240,7 @@ def redis_parts(settings: Settings, client: redis.Redis,
             max_payload_bytes=settings.max_payload_bytes),
         maintenance=Maintenance(client, stream, group, name, reclaimer,
                                 settings.maintenance_interval_s, settings.consumer_idle_ms,
-                                describe, protocol.workers_key(settings.namespace, name)))
+                                describe, protocol.workers_key(ns, name), protocol.models_key(ns)))
 
 
 def describe_worker(settings: Settings, layout: Layout, model: Model, device: torch.device,

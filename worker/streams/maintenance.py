@@ -59,12 +59,20 @@ return redis.call('XTRIM', KEYS[1], 'MINID', keep)
 ANNOUNCE_TTL_INTERVALS = 10  # the workers hash outlives the last worker by this many periods
 
 
+def registry_entry(described: Mapping[str, Any]) -> str:
+    """A model's value in the registry (protocol.models_key): when a worker of it was last
+    seen, and its kind."""
+    return json.dumps({"seen_ms": described["seen_ms"],
+                       "generative": described.get("generative")})
+
+
 class Maintenance:
     def __init__(self, client: redis.Redis, stream: str, group: str, model_name: str,
                  reclaimer: Reclaimer, interval_s: float, consumer_idle_ms: int,
                  describe: Callable[[], Mapping[str, Any]] | None = None,
-                 workers_key: str | None = None) -> None:
-        """`describe`: what `stats` shows of this worker, kept under `workers_key`."""
+                 workers_key: str | None = None, models_key: str | None = None) -> None:
+        """`describe`: what `stats` shows of this worker, kept under `workers_key`; the
+        model's entry in the registry `models_key` is refreshed with it."""
         self.client = client
         self.stream = stream
         self.group = group
@@ -74,6 +82,7 @@ class Maintenance:
         self.consumer_idle_ms = consumer_idle_ms
         self.describe = describe or dict
         self.workers_key = workers_key
+        self.models_key = models_key
         self._trim = client.register_script(TRIM_ACKED)
         self._backlog = client.register_script(BACKLOG)
 
@@ -93,19 +102,28 @@ class Maintenance:
         self.announce(gone=removed)
 
     def announce(self, gone: list[str] | None = None) -> None:
-        """Write this worker's description, and forget consumers that left, in one step.
-        `seen_ms` tells the gateway this worker is alive even while it reads nothing:
-        before Redis 7.2, XINFO CONSUMERS' `idle` counts only reads that delivered entries."""
+        """Write this worker's description and its model's registry entry, and forget
+        consumers that left, in one transaction. `seen_ms` tells the gateway this worker is
+        alive even while it reads nothing: before Redis 7.2, XINFO CONSUMERS' `idle` counts
+        only reads that delivered entries."""
         if self.workers_key is None:
             return
         described = {**self.describe(), "seen_ms": int(time.time() * 1000)}
         pipe = self.client.pipeline(transaction=True)
+        self._describe_in(pipe, described, gone)
+        if self.models_key is not None:
+            pipe.hset(self.models_key, self.model_name, registry_entry(described))
+        pipe.execute()
+
+    def _describe_in(self, pipe: Any, described: Mapping[str, Any],
+                     gone: list[str] | None) -> None:
+        """The workers hash's part of an announcement, queued on `pipe`."""
+        assert self.workers_key is not None
         pipe.hset(self.workers_key, self.reclaimer.consumer, json.dumps(described))
         if gone:
             pipe.hdel(self.workers_key, *gone)
         pipe.pexpire(self.workers_key,
                      int(self.interval_s * 1000 * ANNOUNCE_TTL_INTERVALS) + self.consumer_idle_ms)
-        pipe.execute()
 
     def trim(self) -> int:
         """Drop the entries every group has acked; returns how many went."""
