@@ -27,6 +27,7 @@ from structlog.testing import capture_logs
 
 from producer.gateway.serve import bind_refusal
 from producer.gateway.settings import load_gateway_settings
+from tests.conftest import SentinelRig
 from tests.test_gateway import (  # noqa: F401
     assert_openai_error,
     free_port,
@@ -107,6 +108,30 @@ def test_a_call_waits_for_a_connection_rather_than_failing(r: redis.Redis,
             listed = httpx.get(f"{base_url}/v1/models", timeout=10)  # the BLPOPs end at 1 s
             assert [c.result().status_code for c in calls] == [504, 504]
     assert listed.status_code == 200, listed.text
+
+
+def test_the_pool_is_bounded_and_blocking_through_sentinel_too(sentinels: SentinelRig) -> None:
+    """Through a Sentinel URL the shared pool is the blocking one too, and readiness keeps
+    its own connection."""
+    master = sentinels.master.client()
+    try:
+        master.flushall()
+        stream = live_but_silent(master)
+        with running_gateway(sentinels.url(), redis_pool_size=1, redis_pool_timeout_s=0.5,
+                             request_timeout_s=2, model_cache_s=0) as base_url:
+            with slow_calls(base_url, master, stream, 1) as calls:
+                ready = httpx.get(f"{base_url}/readyz", timeout=5)
+                started = time.monotonic()
+                starved = httpx.get(f"{base_url}/v1/models", timeout=5)
+                waited = time.monotonic() - started
+                assert calls[0].result().status_code == 504
+            assert httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 200
+    finally:
+        master.flushall()
+        master.close()
+    assert ready.status_code == 200
+    assert_fixed_message(starved)
+    assert 0.45 <= waited < 1.9, "it waited for a connection, up to the pool timeout"
 
 
 def test_the_in_flight_cap_is_429_with_retry_after(r: redis.Redis,
