@@ -37,6 +37,7 @@ COPY examples/sentences.txt examples/sentences.txt
 
 USER redbatch
 EXPOSE 9100
-# the gateway, when the image runs `python -m producer serve`
+# the gateway, when the image runs `python -m producer serve` (it listens on 127.0.0.1 unless
+# REDBATCH_HOST is set; an open address needs REDBATCH_API_KEYS: docs/gateway.md)
 EXPOSE 8000
 CMD ["python", "-m", "worker", "run"]

@@ -190,7 +190,8 @@ def _check_options(pool: Any) -> None:
 
 def async_client(url: str, cluster: bool = False, password: str | None = None,
                  **kwargs: Any) -> Any:
-    """The asyncio twin of sync_client."""
+    """The asyncio twin of sync_client; `connection_pool_class` (e.g. a blocking pool) is
+    honoured for a single Redis and a Sentinel master."""
     target = parse_target(url, cluster)
     kwargs = _with_password(target, password, kwargs)
     try:
@@ -200,8 +201,9 @@ def async_client(url: str, cluster: bool = False, password: str | None = None,
                                    ).master_for(target.service, **master)
         elif target.mode == "cluster":  # connects on first use
             return aioredis.RedisCluster.from_url(url, **kwargs)
-        else:
-            client = aioredis.Redis.from_url(url, **kwargs)
+        else:  # Redis.from_url has no connection_pool_class (a BlockingConnectionPool's)
+            pool_class = kwargs.pop("connection_pool_class", aioredis.ConnectionPool)
+            client = aioredis.Redis.from_pool(pool_class.from_url(url, **kwargs))
         _check_options(client.connection_pool)
         return client
     except (TypeError, ValueError) as exc:

@@ -95,7 +95,15 @@ def internal_keys(namespace: str, model: str, shard: int | None = None) -> dict[
     else:
         answered = shard_answered_key(namespace, model, shard)
         dead = shard_dead_letter_key(namespace, model, shard)
-    return {answered: "string", dead: "stream", workers_key(namespace, model): "hash"}
+    return {answered: "string", dead: "stream", workers_key(namespace, model): "hash",
+            models_key(namespace): "hash"}
+
+
+def models_key(namespace: str) -> str:
+    """The model registry, a hash model -> JSON {"seen_ms", "generative"}: every worker
+    refreshes its model's entry when it announces itself, so the gateway lists the models
+    without scanning the keyspace."""
+    return f"{namespace}:models"
 
 
 def token_stream_key(namespace: str, request_id: str, reply_to: str | None = None) -> str:

@@ -6,6 +6,7 @@ reclaims, and one killed between the push to a foreign `reply_to` and its XACK."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import AsyncClient, Client, Overloaded, protocol
+from producer import AsyncClient, Client, Overloaded, connection, protocol
 from producer.backlog import ShardCycle
 from producer.replicas import ReplicaCount
 from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
@@ -44,6 +45,21 @@ def shard_lengths(client: redis.RedisCluster, count: int) -> list[int]:
                 ["entries-added"]) for s in range(count)]
 
 
+def listed_models(url: str) -> list[str]:
+    """What the gateway's /v1/models would list, read from the cluster's model registry."""
+    from producer.gateway.discovery import Discovery
+
+    async def read() -> list[str]:
+        client = connection.async_client(url, cluster=True)
+        try:
+            found = await Discovery(client, "redbatch", "workers", 30, 0).live_models()
+        finally:
+            await client.aclose()
+        return [model for model, _ in found]
+
+    return asyncio.run(read())
+
+
 def test_echo_through_sharded_streams_one_reply_each(rig: ClusterRig,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     url = rig.url()
@@ -59,6 +75,7 @@ def test_echo_through_sharded_streams_one_reply_each(rig: ClusterRig,
         envelopes = client.collect(shared, len(ids), timeout=30)  # returns once all came
         assert Counter(e["id"] for e in envelopes) == Counter(ids)  # one each
         assert client.infer({"one": 1}, timeout=10) == {"one": 1}
+        assert listed_models(url) == ["echo"]  # the registry, in another slot (issue 30)
     assert client.redis.llen(shared) == 0  # none twice: the worker stopped, nothing came late
     added = shard_lengths(client.redis, 6)
     assert sum(added) == 302 and min(added) >= 40  # round-robin: every shard had its share

@@ -148,14 +148,19 @@ def test_gateway_service(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatc
     env = env_of(gateway["environment"])
     assert env["REDBATCH_REDIS_URL"].startswith("redis://redis:")
     settings = assert_gateway_env(env, monkeypatch)
-    assert settings.port == 8000 and f"{settings.port}:{settings.port}" in gateway["ports"]
+    # published on the host's loopback only: the stack has no api keys (issue 30)
+    assert settings.port == 8000 and gateway["ports"] == [f"127.0.0.1:{settings.port}:8000"]
+    from producer.gateway.serve import bind_refusal
+
+    assert settings.host == "0.0.0.0" and settings.allow_unauthenticated
+    assert bind_refusal(settings) is None, "the shipped stack starts"
     assert gateway["image"] == compose["services"]["worker"]["image"]
     assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
     url = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", " ".join(gateway["healthcheck"]["test"]))
     assert url and int(url[1]) == settings.port and url[2] == "/readyz"
     from producer.gateway.app import create_app
 
-    paths = {route.path for route in create_app(settings).app.routes}
+    paths = {route.path for route in create_app(settings).app.app.routes}  # in the limits
     assert {"/readyz", "/healthz", "/metrics", "/v1/embeddings", "/v1/models"} <= paths
 
 
@@ -169,6 +174,9 @@ def test_gateway_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
     container = pod["spec"]["containers"][0]
     assert assert_python_module_command(container["command"]) == ["serve"]
     settings = assert_gateway_env(env_of(container["env"]), monkeypatch)
+    keys = next(e for e in container["env"] if e["name"] == "REDBATCH_API_KEYS")
+    assert settings.host == "0.0.0.0" and not settings.allow_unauthenticated
+    assert not keys["valueFrom"]["secretKeyRef"].get("optional"), "an open bind needs keys"
     http = next(p for p in container["ports"] if p["name"] == "http")
     assert http["containerPort"] == settings.port
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}

@@ -224,8 +224,8 @@ def redis_parts(settings: Settings, client: redis.Redis,
             return sharding.sharded_parts(settings, client, describe)
         except ValueError as exc:  # a brace in a name, a bad published shard count
             raise StartupError(str(exc)) from None
-    name = settings.model_name
-    stream = protocol.stream_key(settings.namespace, name)
+    name, ns = settings.model_name, settings.namespace
+    stream = protocol.stream_key(ns, name)
     group, consumer = settings.group, settings.consumer
     reclaimer = Reclaimer(client, stream, group, consumer, settings.claim_idle_ms, name)
     return dict(
@@ -238,8 +238,8 @@ def redis_parts(settings: Settings, client: redis.Redis,
         dead_letters=sharding.dead_letters_of(settings, client, stream),
         maintenance=Maintenance(client, stream, group, name, reclaimer,
                                 settings.maintenance_interval_s, settings.consumer_idle_ms,
-                                describe, protocol.workers_key(settings.namespace, name),
-                                protocol.internal_keys(settings.namespace, name)))
+                                describe, protocol.workers_key(ns, name), protocol.models_key(ns),
+                                protocol.internal_keys(ns, name)))
 
 
 def describe_worker(settings: Settings, layout: Layout, model: Model, device: torch.device,

@@ -3,8 +3,11 @@ GET /v1/models, /metrics, /healthz and /readyz.
 
 `create_app(settings)` is the composition root: one Redis client per process (built by
 `producer.connection.async_client`, so `redis_url` takes the same forms as everywhere else:
-redis://, rediss://, unix://, Sentinel), whose connection pool the Dispatcher and the
-Discovery share, and handlers that turn every failure into OpenAI's error shape.
+redis://, rediss://, unix://, Sentinel), whose bounded, blocking connection pool the
+Dispatcher and the Discovery share (pools.py), a one-connection client of its own for
+readiness, the in-flight cap (limits.py), and handlers that turn every failure into OpenAI's
+error shape. A Redis failure reaches the caller as one fixed message; its details (hosts,
+ports, Redis's own error text) go to the log only.
 """
 
 from __future__ import annotations
@@ -13,21 +16,22 @@ import hmac
 from contextlib import asynccontextmanager
 from typing import Any
 
-from redis.exceptions import RedisError
+import structlog
+from redis.exceptions import RedisClusterException, RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from producer import connection
-from producer.gateway import errors, metrics
+from producer.gateway import errors, metrics, pools
 from producer.gateway.discovery import Discovery, ModelState
 from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
 from producer.gateway.generation import Generations, chat_completions, completions
 from producer.gateway.jsonio import FastJSONResponse as JSONResponse
 from producer.gateway.jsonio import JSONDecodeError, loads
+from producer.gateway.limits import HttpLimits, InFlightLimit
 from producer.gateway.openai_shapes import (
     check_dimensions,
     embedding_of,
@@ -38,15 +42,16 @@ from producer.gateway.openai_shapes import (
 )
 from producer.gateway.settings import GatewaySettings, load_gateway_settings
 
+log = structlog.get_logger("redbatch.gateway")
+
 
 class Gateway:
     """The state one process's handlers share."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        secret = settings.redis_password
-        self.redis = connection.async_client(
-            settings.redis_url, password=None if secret is None else secret.get_secret_value())
+        self.redis = pools.shared_client(settings)
+        self.probe = pools.probe_client(settings)  # readiness, apart from the shared pool
         self.dispatcher = Dispatcher(self.redis, settings.namespace, settings.group,
                                      settings.max_backlog, settings.request_timeout_s)
         self.discovery = Discovery(self.redis, settings.namespace, settings.group,
@@ -146,10 +151,17 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     """Ready when Redis answers PING; 503 otherwise, so a balancer routes elsewhere."""
     try:
-        await request.app.state.gateway.redis.ping()
-    except (RedisError, OSError) as exc:
-        return JSONResponse({"ok": False, "error": f"redis: {exc}"}, status_code=503)
+        await request.app.state.gateway.probe.ping()
+    except (RedisError, RedisClusterException, OSError) as exc:
+        log_redis_failure(request, exc)
+        return JSONResponse({"ok": False, "error": errors.QUEUE_UNAVAILABLE}, status_code=503)
     return JSONResponse({"ok": True})
+
+
+def log_redis_failure(request: Request, exc: Exception) -> None:
+    """The details of a Redis failure, for the operator only (callers get a fixed text)."""
+    log.warning("redis.failed", route=request.url.path, error_type=type(exc).__name__,
+                error=str(exc))
 
 
 async def api_error(request: Request, exc: Exception) -> Response:
@@ -167,8 +179,9 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 
 async def redis_error(request: Request, exc: Exception) -> Response:
-    return await api_error(request, ApiError(503, f"Redis is unavailable: {exc}",
-                                             "redis_unavailable"))
+    """503 with a fixed message: Redis's text names hosts, ports and key types."""
+    log_redis_failure(request, exc)
+    return await api_error(request, errors.queue_unavailable())
 
 
 async def server_error(request: Request, exc: Exception) -> Response:
@@ -184,6 +197,7 @@ def create_app(settings: GatewaySettings | None = None) -> Any:
     async def lifespan(app: Starlette) -> Any:
         yield
         await gateway.redis.aclose()
+        await gateway.probe.aclose()
 
     app = Starlette(routes=[
         Route("/v1/embeddings", embeddings, methods=["POST"]),
@@ -195,7 +209,12 @@ def create_app(settings: GatewaySettings | None = None) -> Any:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
-                           RedisError: redis_error, Exception: server_error},
+                           RedisError: redis_error, RedisClusterException: redis_error,
+                           Exception: server_error},
         lifespan=lifespan)
     app.state.gateway = gateway
-    return metrics.MetricsMiddleware(app)
+    settings = gateway.settings
+    limits = HttpLimits(settings.max_header_bytes, settings.header_timeout_s,
+                        settings.body_timeout_s)
+    return metrics.MetricsMiddleware(InFlightLimit(app, settings.max_concurrent_requests,
+                                                   limits))

@@ -8,6 +8,12 @@ Redis 7.2, `idle` counts only reads that delivered entries, so an idle worker lo
 The announcements also say whether the model is generative. The short cache keeps the
 per-request cost off the hot path; each process keeps its own, so the gateway stays
 stateless.
+
+The list of models (/v1/models) comes from the registry the workers write with their
+announcements (`<ns>:models`, protocol.models_key), then the listed models' workers hashes in
+one pipeline: no SCAN of the keyspace, whose cost grows with every key in Redis (issue 30). A
+model is listed when its registry entry and one of its workers were seen within
+`live_worker_idle_s`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,15 @@ class ModelState(StrEnum):
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _seen_ms(entry: Any) -> float:
+    """A registry entry's `seen_ms` (protocol.models_key); 0 when unreadable."""
+    try:
+        seen = json.loads(entry).get("seen_ms")
+    except (ValueError, AttributeError):
+        return 0
+    return seen if isinstance(seen, int) else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +80,7 @@ class Discovery:
         self.idle_ms = idle_s * 1000
         self.cache_s = cache_s
         self._live: dict[str, tuple[float, ModelInfo]] = {}  # until when, what
+        self._listed: tuple[float, list[tuple[str, int]]] | None = None  # until when, what
 
     async def info(self, model: str) -> ModelInfo:
         """The model's state; a live answer is cached, others are asked again each time."""
@@ -100,20 +116,34 @@ class Discovery:
 
     async def live_models(self) -> list[tuple[str, int]]:
         """(model, created Unix s) of every model with a live worker, sorted by name; created
-        is when its longest-running live worker started (else the stream's oldest entry)."""
-        prefix = protocol.stream_key(self.namespace, "")
+        is when its longest-running live worker started (else the stream's oldest entry).
+        Reused for `cache_s`."""
+        if self._listed is not None and self._listed[0] > time.monotonic():
+            return self._listed[1]
+        seen_since = time.time() * 1000 - self.idle_ms
+        registry = await self.redis.hgetall(protocol.models_key(self.namespace))
+        models = sorted(_text(model) for model, entry in registry.items()
+                        if _seen_ms(entry) > seen_since)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model in models:
+                pipe.hgetall(protocol.workers_key(self.namespace, model))
+            hashes = await pipe.execute() if models else []
         found = []
-        async for key in self.redis.scan_iter(match=f"{prefix}*", count=1000, _type="STREAM"):
-            model = _text(key)[len(prefix):]
-            info = await self._read_info(model)
-            if info.state is ModelState.LIVE:
-                created = info.created_s
-                found.append((model, created if created is not None
-                              else await self._created(_text(key))))
-        return sorted(found)
+        for model, raw in zip(models, hashes, strict=True):
+            live = [w for w in announced(raw)
+                    if isinstance(w.get("seen_ms"), int) and w["seen_ms"] > seen_since]
+            starts = [w["started_ms"] for w in live if isinstance(w.get("started_ms"), int)]
+            if live:
+                found.append((model, min(starts) // 1000 if starts else await self._created(
+                    protocol.stream_key(self.namespace, model))))
+        self._listed = (time.monotonic() + self.cache_s, found)
+        return found
 
     async def _created(self, stream: str) -> int:
-        info = await self.redis.xinfo_stream(stream)
+        try:
+            info = await self.redis.xinfo_stream(stream)
+        except ResponseError:  # no such stream (yet)
+            return int(time.time())
         first = info.get("first-entry") or info.get("last-generated-id")
         entry_id = first[0] if isinstance(first, list | tuple) else first
         try:

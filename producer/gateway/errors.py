@@ -98,6 +98,14 @@ def no_live_worker(model: str) -> ApiError:
                     "no_live_worker", "model", {"Retry-After": "5"})
 
 
+QUEUE_UNAVAILABLE = "the queue is unavailable; retry later"
+
+
+def queue_unavailable() -> ApiError:
+    """Any Redis failure, as callers see it: the same text whatever Redis said."""
+    return ApiError(503, QUEUE_UNAVAILABLE, "redis_unavailable", None, {"Retry-After": "1"})
+
+
 def timed_out(seconds: float) -> ApiError:
     return ApiError(504, f"no answer from the workers within {seconds:g} s", "timeout")
 

@@ -4,24 +4,32 @@ Every setting is a flag and a REDBATCH_* variable. With `--processes N`, uvicorn
 processes on the one port; the flags reach them through the environment, since each builds
 its own app (create_app reads the settings there). HTTP is parsed by httptools and the loop
 is uvloop's (uvicorn picks uvloop when it is installed, as it is with redbatch), with the
-head and body of a response in one write (transport.py); without httptools, uvicorn's h11.
+head and body of a response in one write and the header size cap and read deadlines enforced
+(transport.py); without httptools, uvicorn's h11, which caps the header size only.
+
+Safe by default: the gateway listens on 127.0.0.1. A non-loopback address with no `api_keys`
+is refused at start unless `allow_unauthenticated` is set, and then logged as a warning.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import os
 import sys
 from typing import Any
 
+import structlog
 import uvicorn
 from pydantic import SecretStr
 
 from producer.gateway.settings import GatewaySettings, GatewaySettingsError, load_gateway_settings
 
 HTTPTOOLS = importlib.util.find_spec("httptools") is not None
-HTTP_PROTOCOL = "producer.gateway.transport:CoalescingHttpToolsProtocol"  # imported by uvicorn
+HTTP_PROTOCOL = "producer.gateway.transport:GuardedHttpToolsProtocol"  # imported by uvicorn
+LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+log = structlog.get_logger("redbatch.gateway")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +56,28 @@ def as_environment(settings: GatewaySettings) -> dict[str, str]:
 def server_options(settings: GatewaySettings) -> dict[str, Any]:
     """uvicorn's options for these settings, for uvicorn.run and uvicorn.Config alike."""
     return {"host": settings.host, "port": settings.port, "log_level": settings.log_level,
-            "access_log": False, "http": HTTP_PROTOCOL if HTTPTOOLS else "h11"}
+            "access_log": False, "http": HTTP_PROTOCOL if HTTPTOOLS else "h11",
+            "h11_max_incomplete_event_size": settings.max_header_bytes}
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() in LOOPBACK_NAMES
+
+
+def bind_refusal(settings: GatewaySettings) -> str | None:
+    """Why the gateway must not start on this address, or None. An open bind with no keys
+    is allowed only when asked for (allow_unauthenticated), and then logged."""
+    if is_loopback(settings.host) or settings.api_keys:
+        return None
+    if settings.allow_unauthenticated:
+        log.warning("gateway.unauthenticated", host=settings.host,
+                    note="no api_keys: anyone who reaches this address can call the API")
+        return None
+    return (f"refusing to listen on {settings.host} with no api_keys: set api_keys, or "
+            "allow_unauthenticated=true to serve it open, or host=127.0.0.1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_gateway_settings(**vars(args))
     except GatewaySettingsError as exc:
         print(f"producer serve: {exc}", file=sys.stderr)
+        return 2
+    refusal = bind_refusal(settings)
+    if refusal is not None:
+        print(f"producer serve: {refusal}", file=sys.stderr)
         return 2
     if settings.processes > 1:
         os.environ.update(as_environment(settings))

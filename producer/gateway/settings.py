@@ -17,7 +17,8 @@ class GatewaySettings(BaseSettings):
     # extra="ignore": the REDBATCH_* variables of the worker may be set in the same place
     model_config = SettingsConfigDict(env_prefix="REDBATCH_", extra="ignore")
 
-    host: str = Field("0.0.0.0", description="address to listen on")
+    host: str = Field("127.0.0.1", description=(
+        "address to listen on; a non-loopback one needs api_keys or allow_unauthenticated"))
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     redis_url: str = Field(DEFAULT_URL, description="the Redis the workers serve")
     redis_password: SecretStr | None = Field(None, min_length=1, description=(
@@ -36,6 +37,22 @@ class GatewaySettings(BaseSettings):
         "a consumer seen within this many seconds counts as a live worker"))
     model_cache_s: float = Field(1.0, ge=0, description=(
         "how long a model's live-worker check is reused before Redis is asked again"))
+    allow_unauthenticated: bool = Field(False, description=(
+        "serve on a non-loopback address with no api_keys (logged as a warning)"))
+    redis_pool_size: int = Field(300, gt=0, description=(
+        "most Redis connections a gateway process holds (readiness probes use their own)"))
+    redis_pool_timeout_s: float = Field(5.0, gt=0, description=(
+        "how long a call waits for a free Redis connection before answering 503"))
+    max_concurrent_requests: int = Field(256, gt=0, description=(
+        "calls in flight per process (probes and /metrics not counted); more get 429"))
+    max_header_bytes: int = Field(16 << 10, ge=1024, description=(
+        "most bytes of a request's line and headers; more get 431 and the connection closes"))
+    header_timeout_s: float = Field(10.0, gt=0, description=(
+        "seconds to receive a request's whole header block, from its first byte or from the"
+        " connection's start; then 408 and close"))
+    body_timeout_s: float = Field(30.0, gt=0, description=(
+        "seconds to receive a request's whole body once its headers are in; then 408 and"
+        " close"))
     processes: int = Field(1, gt=0, description="gateway processes sharing the port")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
 

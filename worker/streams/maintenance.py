@@ -61,14 +61,22 @@ return redis.call('XTRIM', KEYS[1], 'MINID', keep)
 ANNOUNCE_TTL_INTERVALS = 10  # the workers hash outlives the last worker by this many periods
 
 
+def registry_entry(described: Mapping[str, Any]) -> str:
+    """A model's value in the registry (protocol.models_key): when a worker of it was last
+    seen, and its kind."""
+    return json.dumps({"seen_ms": described["seen_ms"],
+                       "generative": described.get("generative")})
+
+
 class Maintenance:
     def __init__(self, client: redis.Redis, stream: str, group: str, model_name: str,
                  reclaimer: Reclaimer, interval_s: float, consumer_idle_ms: int,
                  describe: Callable[[], Mapping[str, Any]] | None = None,
-                 workers_key: str | None = None,
+                 workers_key: str | None = None, models_key: str | None = None,
                  internal_keys: Mapping[str, str] | None = None) -> None:
-        """`describe`: what `stats` shows of this worker, kept under `workers_key`;
-        `internal_keys`: key -> the type redbatch keeps there, checked at start."""
+        """`describe`: what `stats` shows of this worker, kept under `workers_key`; the
+        model's entry in the registry `models_key` is refreshed with it; `internal_keys`:
+        key -> the type redbatch keeps there, checked at start."""
         self.client = client
         self.stream = stream
         self.group = group
@@ -78,6 +86,7 @@ class Maintenance:
         self.consumer_idle_ms = consumer_idle_ms
         self.describe = describe or dict
         self.workers_key = workers_key
+        self.models_key = models_key
         self.internal_keys = dict(internal_keys or {})
         self._trim = client.register_script(TRIM_ACKED)
         self._backlog = client.register_script(BACKLOG)
@@ -98,24 +107,28 @@ class Maintenance:
         self.announce(gone=removed)
 
     def announce(self, gone: list[str] | None = None) -> None:
-        """Write this worker's description, and forget consumers that left, in one step.
-        `seen_ms` tells the gateway this worker is alive even while it reads nothing:
-        before Redis 7.2, XINFO CONSUMERS' `idle` counts only reads that delivered entries."""
+        """Write this worker's description and its model's registry entry, and forget
+        consumers that left, in one transaction. `seen_ms` tells the gateway this worker is
+        alive even while it reads nothing: before Redis 7.2, XINFO CONSUMERS' `idle` counts
+        only reads that delivered entries."""
         if self.workers_key is None:
             return
         described = {**self.describe(), "seen_ms": int(time.time() * 1000)}
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.workers_key, self.reclaimer.consumer, json.dumps(described))
-        if gone:
-            pipe.hdel(self.workers_key, *gone)
-        pipe.pexpire(self.workers_key,
-                     int(self.interval_s * 1000 * ANNOUNCE_TTL_INTERVALS) + self.consumer_idle_ms)
+        self._describe_in(pipe, described, gone)
+        if self.models_key is not None:
+            pipe.hset(self.models_key, self.model_name, registry_entry(described))
+        self._tolerating_wrong_types(pipe.execute)
+
+    def _tolerating_wrong_types(self, write: Callable[[], Any]) -> None:
+        """A workers hash or registry squatted by another type skips the announcement
+        (logged and counted): the worker serves on."""
         try:
-            pipe.execute()
+            write()
         except redis.ResponseError as exc:
             if "WRONGTYPE" not in str(exc):
                 raise
-            wrong_type(self.model_name, "workers", self.workers_key)
+            wrong_type(self.model_name, "workers", f"{self.workers_key} or {self.models_key}")
 
     def check_keys(self) -> None:
         """Name, one line each, the internal keys that hold another type than redbatch
@@ -130,6 +143,16 @@ class Maintenance:
             if as_text(found) not in ("none", expected):
                 log.warning("internal_key.wrong_type", key=key, holds=as_text(found),
                             expected=expected, hint="delete it: redbatch recreates it")
+
+    def _describe_in(self, pipe: Any, described: Mapping[str, Any],
+                     gone: list[str] | None) -> None:
+        """The workers hash's part of an announcement, queued on `pipe`."""
+        assert self.workers_key is not None
+        pipe.hset(self.workers_key, self.reclaimer.consumer, json.dumps(described))
+        if gone:
+            pipe.hdel(self.workers_key, *gone)
+        pipe.pexpire(self.workers_key,
+                     int(self.interval_s * 1000 * ANNOUNCE_TTL_INTERVALS) + self.consumer_idle_ms)
 
     def trim(self) -> int:
         """Drop the entries every group has acked; returns how many went."""

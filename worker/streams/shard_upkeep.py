@@ -10,12 +10,13 @@ and the worker that got it acts; the others skip that shard until the next perio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from worker.observe import metrics
 from worker.streams.dead_letters import DeadLetters
-from worker.streams.maintenance import BACKLOG_GAUGE_CAP, Maintenance
+from worker.streams.maintenance import BACKLOG_GAUGE_CAP, Maintenance, registry_entry
 from worker.streams.reader import Entry
 from worker.streams.reclaimer import Reclaimer
 from worker.streams.shards import Localiser, tagged, untagged
@@ -72,10 +73,11 @@ class ShardedMaintenance(Maintenance):
     def __init__(self, client: Any, reclaimers: Sequence[Reclaimer], lease_keys: Sequence[str],
                  group: str, model_name: str, interval_s: float, consumer_idle_ms: int,
                  describe: Callable[[], Mapping[str, Any]] | None = None,
-                 workers_key: str | None = None,
+                 workers_key: str | None = None, models_key: str | None = None,
                  internal_keys: Mapping[str, str] | None = None) -> None:
         super().__init__(client, reclaimers[0].stream, group, model_name, reclaimers[0],
-                         interval_s, consumer_idle_ms, describe, workers_key, internal_keys)
+                         interval_s, consumer_idle_ms, describe, workers_key, models_key,
+                         internal_keys)
         self.shards = list(zip([r.stream for r in reclaimers], reclaimers, lease_keys,
                                strict=True))
         self.lease_ms = max(1, int(interval_s * 1000))
@@ -88,6 +90,22 @@ class ShardedMaintenance(Maintenance):
                 gone.update(reclaimer.remove_idle_consumers(self.consumer_idle_ms))
         metrics.BACKLOG.labels(self.model_name).set(self.backlog())
         self.announce(gone=sorted(gone))
+
+    def announce(self, gone: list[str] | None = None) -> None:
+        """As Maintenance.announce, but the registry entry in a call of its own, after the
+        workers hash's transaction: on a cluster the two keys are in different slots, and a
+        transaction keeps to one. A worker that dies in between is seen again at its next
+        announcement, or never (then its entry goes stale and the gateway skips it)."""
+        if self.workers_key is None:
+            return
+        described = {**self.describe(), "seen_ms": int(time.time() * 1000)}
+        pipe = self.client.pipeline(transaction=True)
+        self._describe_in(pipe, described, gone)
+        self._tolerating_wrong_types(pipe.execute)
+        if self.models_key is not None:
+            models_key = self.models_key
+            self._tolerating_wrong_types(lambda: self.client.hset(
+                models_key, self.model_name, registry_entry(described)))
 
     def trim(self) -> int:
         """Every shard, lease or not (for tests and tools)."""

@@ -96,7 +96,7 @@ def sharded_parts(settings: Settings, client: Any,
             client, reclaimers, [protocol.shard_lease_key(ns, name, s, "upkeep")
                                  for s in range(count)], group, name,
             settings.maintenance_interval_s, settings.consumer_idle_ms, describe,
-            protocol.workers_key(ns, name),
+            protocol.workers_key(ns, name), protocol.models_key(ns),
             {key: kind for s in range(count)
              for key, kind in protocol.internal_keys(ns, name, s).items()}))
 
