@@ -200,3 +200,36 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenised(
         assert error["reason"] == "context_window"
         assert time.perf_counter() - started < 2.0
         assert not worker.failed
+
+
+def test_the_gateway_drops_envelopes_of_other_ids(redis_url: str, r: redis.Redis) -> None:
+    """Finding 5 in the gateway: its shared reply key and a reply stream it reads may
+    receive others' envelopes (any producer can name them as its reply_to)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from producer.gateway.dispatch import Dispatcher
+    from producer.gateway.generation import Generations
+
+    def entry(request_id: str, kind: str) -> bytes:
+        return json.dumps({"id": request_id, "type": kind, "ok": True, "text": kind}).encode()
+
+    r.rpush("redbatch:reply:batch", json.dumps({"id": "evil", "ok": True, "result": 0}),
+            b"\x00junk", json.dumps({"id": "a", "ok": True, "result": 1}))
+    for n, (request_id, kind) in enumerate([("evil", "done"), ("g", "delta"), ("g", "done")]):
+        r.xadd("redbatch:stream:g", {"data": entry(request_id, kind)}, id=f"{n + 1}-1")
+
+    async def run() -> tuple[Any, Any]:
+        client = aioredis.Redis.from_url(redis_url)
+        dispatcher = Dispatcher(client, "redbatch", "workers", None, 5.0)
+        collected = await dispatcher._collect("redbatch:reply:batch", {"a"}, iter([1.0] * 5),
+                                              await client.blpop(["redbatch:reply:batch"]))
+        generations = Generations(client, dispatcher, "redbatch", 5.0)
+        read = await generations.read("redbatch:stream:g", "0-0", time.monotonic() + 5, "g")
+        await client.aclose()
+        return collected, read
+
+    collected, read = asyncio.run(run())
+    assert list(collected) == ["a"]
+    assert [(i, e["type"]) for i, e in read] == [("2-1", "delta"), ("3-1", "done")]

@@ -101,8 +101,7 @@ class Discovery:
         if not any(_text(g["name"]) == self.group for g in groups):
             return ModelInfo(ModelState.UNKNOWN)
         consumers = await self.redis.xinfo_consumers(stream, self.group)
-        workers = announced(await self.redis.hgetall(protocol.workers_key(self.namespace,
-                                                                          model)))
+        workers = announced(await self._hash(protocol.workers_key(self.namespace, model)))
         kinds = {w["generative"] for w in workers if isinstance(w.get("generative"), bool)}
         generative = kinds.pop() if len(kinds) == 1 else None
         starts = [w["started_ms"] for w in workers if isinstance(w.get("started_ms"), int)]
@@ -121,15 +120,16 @@ class Discovery:
         if self._listed is not None and self._listed[0] > time.monotonic():
             return self._listed[1]
         seen_since = time.time() * 1000 - self.idle_ms
-        registry = await self.redis.hgetall(protocol.models_key(self.namespace))
+        registry = await self._hash(protocol.models_key(self.namespace))
         models = sorted(_text(model) for model, entry in registry.items()
                         if _seen_ms(entry) > seen_since)
         async with self.redis.pipeline(transaction=False) as pipe:
             for model in models:
                 pipe.hgetall(protocol.workers_key(self.namespace, model))
-            hashes = await pipe.execute() if models else []
+            hashes = await pipe.execute(raise_on_error=False) if models else []
         found = []
         for model, raw in zip(models, hashes, strict=True):
+            raw = {} if isinstance(raw, Exception) else raw  # squatted by another type
             live = [w for w in announced(raw)
                     if isinstance(w.get("seen_ms"), int) and w["seen_ms"] > seen_since]
             starts = [w["started_ms"] for w in live if isinstance(w.get("started_ms"), int)]
@@ -137,6 +137,15 @@ class Discovery:
                 found.append((model, min(starts) // 1000 if starts else await self._created(
                     protocol.stream_key(self.namespace, model))))
         self._listed = (time.monotonic() + self.cache_s, found)
+        return found
+
+    async def _hash(self, key: str) -> dict[Any, Any]:
+        """HGETALL, empty when the key holds another type (a squatted internal key must not
+        take every model's listing down with it)."""
+        try:
+            found: dict[Any, Any] = await self.redis.hgetall(key)
+        except ResponseError:
+            return {}
         return found
 
     async def _created(self, stream: str) -> int:

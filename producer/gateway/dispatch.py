@@ -25,6 +25,7 @@ from producer import connection, protocol
 from producer.async_client import AsyncClient
 from producer.client import PIPELINE_CHUNK, Overloaded, block_slices, new_request_id
 from producer.gateway import errors
+from producer.gateway.metrics import FOREIGN_ENVELOPES
 
 
 class Dispatcher:
@@ -66,7 +67,7 @@ class Dispatcher:
             raise errors.overloaded(exc.backlog, exc.max_backlog) from None
         complete = False
         try:
-            by_id = await self._collect(reply_to, len(ids), slices, popped)
+            by_id = await self._collect(reply_to, set(ids), slices, popped)
             complete = len(by_id) >= len(ids)
         finally:
             if not complete:  # a fully popped list is gone already: no round trip for it
@@ -99,20 +100,24 @@ class Dispatcher:
             answers = await pipe.execute()
         return ids, answers[-1]
 
-    async def _collect(self, reply_to: str, count: int, slices: Iterator[float],
+    async def _collect(self, reply_to: str, ids: set[str], slices: Iterator[float],
                        popped: Any = None) -> dict[str, dict[str, Any]]:
         """Envelopes by request id from the shared reply key, until all or the timeout;
-        `popped`: a BLPOP answer already in hand."""
+        `popped`: a BLPOP answer already in hand. Envelopes of other ids are dropped (any
+        producer may name this key as its reply_to) and counted."""
         found: dict[str, dict[str, Any]] = {}
         while True:
             if popped is not None:
-                more = count - len(found) - 1
+                more = len(ids) - len(found) - 1
                 batch = [popped[1], *((await self.redis.lpop(reply_to, more) or [])
                                       if more else [])]
                 for data in batch:
-                    envelope = protocol.decode_envelope(data)
-                    found[str(envelope.get("id"))] = envelope
-                if len(found) >= count:
+                    envelope = protocol.envelope_for(data, ids)
+                    if envelope is None:
+                        FOREIGN_ENVELOPES.inc()
+                        continue
+                    found[str(envelope["id"])] = envelope
+                if len(found) >= len(ids):
                     return found
             block_s = next(slices, None)
             if block_s is None:

@@ -39,6 +39,7 @@ from producer.gateway.generation_shapes import (
     parse_completion_request,
     usage_chunk,
 )
+from producer.gateway.metrics import FOREIGN_ENVELOPES
 
 Entry = tuple[str, dict[str, Any]]
 Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel
@@ -53,6 +54,15 @@ def decode_entry(data: bytes) -> dict[str, Any]:
     if not isinstance(envelope, dict) or "type" not in envelope:
         raise ValueError("reply stream entry is not a redbatch envelope")
     return envelope
+
+
+def _own_entry(data: bytes, request_id: str) -> dict[str, Any] | None:
+    """A reply-stream envelope of this request, or None (another's, or no envelope)."""
+    try:
+        envelope = decode_entry(data)
+    except ValueError:
+        return None
+    return envelope if envelope.get("id") == request_id else None
 
 
 def worker_error(envelope: dict[str, Any], param: str) -> ApiError:
@@ -106,8 +116,10 @@ class Generations:
         key = protocol.reply_key(self.namespace, request_id)
         for block_s in block_slices(self.timeout_s):
             popped: Any = await self.redis.blpop([key], timeout=block_s)
-            if popped is not None:
-                return protocol.decode_envelope(popped[1])
+            envelope = popped and protocol.envelope_for(popped[1], (request_id,))
+            if envelope:
+                return envelope
+            FOREIGN_ENVELOPES.inc(popped is not None)
         await self.cancel(request_id)
         await self.redis.delete(key)
         raise errors.timed_out(self.timeout_s)
@@ -129,15 +141,21 @@ class Generations:
         await self.cancel(request_id)
         return None
 
-    async def read(self, key: str, last: str, deadline: float) -> list[Entry]:
-        """The entries after `last`, waiting until there are some; [] past `deadline`."""
+    async def read(self, key: str, last: str, deadline: float,
+                   request_id: str) -> list[Entry]:
+        """The entries of `request_id` after `last`, waiting until there are some; [] past
+        `deadline`. Entries of another id (or none) are skipped and counted."""
         while (remaining := deadline - time.monotonic()) > 0:
             block_ms = max(10, int(min(remaining, 1.0) * 1000))
             found: Any = await self.redis.xread({key: last}, count=256, block=block_ms)
-            entries = [(_text(entry_id), decode_entry(fields[b"data"]))
-                       for _, batch in found or [] for entry_id, fields in batch]
+            read = [(_text(entry_id), fields.get(b"data", b""))
+                    for _, batch in found or [] for entry_id, fields in batch]
+            entries = [(entry_id, envelope) for entry_id, envelope in
+                       ((i, _own_entry(data, request_id)) for i, data in read) if envelope]
+            FOREIGN_ENVELOPES.inc(len(read) - len(entries))
             if entries:
                 return entries
+            last = read[-1][0] if read else last
         return []
 
 
@@ -158,7 +176,7 @@ class StreamReply:
 
     async def first(self) -> list[Entry]:
         """The first entries, before the response starts: errors are HTTP errors then."""
-        entries = await self.generations.read(self.key, "0-0", self.deadline)
+        entries = await self.generations.read(self.key, "0-0", self.deadline, self.request_id)
         if not entries:
             await self.generations.cancel(self.request_id)
             raise errors.timed_out(self.generations.timeout_s)
@@ -185,7 +203,8 @@ class StreamReply:
                     for event in self._done(envelope):
                         yield event
                     return
-                entries = await self.generations.read(self.key, entries[-1][0], self.deadline)
+                entries = await self.generations.read(self.key, entries[-1][0], self.deadline,
+                                                      self.request_id)
             yield sse(errors.stream_timed_out(self.generations.timeout_s, sent).body())
         finally:
             if not finished:  # the client went away, or the deadline passed

@@ -23,6 +23,9 @@ LATENCY = Histogram("redbatch_gateway_request_seconds", "HTTP request latency by
                              5, 10, 30, 60))
 INPUTS = Counter("redbatch_gateway_inputs", "embedding inputs submitted to the workers",
                  ["model"], registry=REGISTRY)
+FOREIGN_ENVELOPES = Counter("redbatch_gateway_foreign_envelopes",
+                            "replies dropped from the gateway's keys: they answer another id",
+                            registry=REGISTRY)
 ROUTES = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/models",
           "/metrics", "/healthz", "/readyz")
 
