@@ -17,6 +17,7 @@ import redis
 
 from producer import connection, protocol
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, add_arguments, add_once_arguments
+from producer.embeddings import decode_reply
 from producer.errors import (  # noqa: F401 (re-exported: callers import them from here)
     Overloaded,
     RedbatchError,
@@ -147,7 +148,7 @@ class Client(ShardedSubmit, _Base):
                  redis_client: redis.Redis | None = None,
                  max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP,
                  cluster: bool = False, replicas_to_wait: int = AUTO,
-                 replicas_wait_ms: int = 100) -> None:
+                 replicas_wait_ms: int = 100, as_numpy: bool = False) -> None:
         """`max_backlog`: refuse (Overloaded) when the group's backlog would pass it.
         `url`: any form producer/connection.py reads (Sentinel, TLS; `cluster` for a seed
         node). `replicas_to_wait`: WAIT for that many replicas after each XADD, and send
@@ -158,6 +159,7 @@ class Client(ShardedSubmit, _Base):
         self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
         self._add_once = self.redis.register_script(ADD_ONCE)
         self._shard_over(self.redis)
+        self.as_numpy = as_numpy  # embeddings (either encoding) as float32 numpy arrays
 
     def submit(self, payload: Any, *, request_id: str | None = None, reply_to: str | None = None,
                deadline_ms: int | None = None, priority: int = 0) -> str:
@@ -246,24 +248,26 @@ class Client(ShardedSubmit, _Base):
             ids += chunk_ids
         return ids
 
-    def wait(self, request_id: str, timeout: float = 30.0,
-             reply_to: str | None = None) -> dict[str, Any]:
+    def wait(self, request_id: str, timeout: float = 30.0, reply_to: str | None = None,
+             as_numpy: bool | None = None) -> dict[str, Any]:
         """The reply envelope of one request (ok or not); ResultTimeout if none came."""
         key = reply_to or self.reply_key(request_id)
         for block_s in block_slices(timeout):
             popped: Any = self.redis.blpop([key], timeout=block_s)
             if popped is not None:
                 self._forget(request_id)
-                return protocol.decode_envelope(popped[1])
+                return decode_reply(popped[1], self.as_numpy if as_numpy is None else as_numpy)
         raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 
-    def result(self, request_id: str, timeout: float = 30.0) -> Any:
+    def result(self, request_id: str, timeout: float = 30.0,
+               as_numpy: bool | None = None) -> Any:
         """The result of one request; RequestFailed or ResultTimeout otherwise."""
-        return unwrap(self.wait(request_id, timeout))
+        return unwrap(self.wait(request_id, timeout, as_numpy=as_numpy))
 
-    def infer(self, payload: Any, timeout: float = 30.0, **options: Any) -> Any:
-        """Submit and wait in one call."""
-        return self.result(self.submit(payload, **options), timeout)
+    def infer(self, payload: Any, timeout: float = 30.0, as_numpy: bool | None = None,
+              **options: Any) -> Any:
+        """Submit and wait in one call (`as_numpy`: the embedding as a numpy array)."""
+        return self.result(self.submit(payload, **options), timeout, as_numpy)
 
     def collect(self, reply_to: str, count: int, timeout: float = 60.0,
                 on_reply: Any = None) -> list[dict[str, Any]]:
@@ -278,7 +282,7 @@ class Client(ShardedSubmit, _Base):
             more = count - len(envelopes) - 1
             batch = [popped[1], *((self.redis.lpop(reply_to, more) or []) if more else [])]
             for data in batch:
-                envelopes.append(protocol.decode_envelope(data))
+                envelopes.append(decode_reply(data, self.as_numpy))
                 if on_reply:
                     on_reply(envelopes[-1])
         return envelopes

@@ -67,6 +67,20 @@ class Model(ABC):
         compute of the current batch, so tokenisation belongs here.
         """
 
+    def prepare_many(self, payloads: Sequence[tuple[Any, int]]) -> list[Prepared | Exception]:
+        """`prepare` for each (payload, nbytes) of one read, in order: an item, or the
+        exception that refuses that one payload (InvalidInput: a user mistake).
+
+        Override it to preprocess a read's payloads in one call (a batch tokeniser runs
+        outside the GIL); one bad payload must not affect the others."""
+        prepared: list[Prepared | Exception] = []
+        for payload, nbytes in payloads:
+            try:
+                prepared.append(self.prepare(payload, nbytes))
+            except Exception as exc:  # answered for this payload alone, by the intake
+                prepared.append(exc)
+        return prepared
+
     @abstractmethod
     def collate(self, items: Sequence[Prepared]) -> Any:
         """Build one batch, padded to its longest member. Tensors stay on the host here."""

@@ -20,7 +20,7 @@ import structlog
 
 from producer import protocol
 from producer.protocol import ErrorCode, InvalidEntry, Request
-from worker.models.base import InvalidInput, Model
+from worker.models.base import InvalidInput, Model, Prepared
 from worker.observe import metrics
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer, refused_answer
 from worker.pipeline.inflight import InFlight
@@ -123,6 +123,7 @@ class Intake:
 
     def classify(self, entries: Sequence[Entry], now: float, now_ms: int) -> Admission:
         admission = Admission()
+        parsed: list[tuple[Entry, Request]] = []
         for entry in entries:
             if entry.fields is None:
                 admission.unanswerable.append(entry.id)
@@ -134,7 +135,9 @@ class Intake:
             except InvalidEntry as exc:
                 self._refuse(entry.id, exc, admission)
                 continue
-            prepared = self.prepare(entry.id, request, now, now_ms)
+            parsed.append((entry, request))
+        for (entry, _), prepared in zip(parsed, self.prepare_all(parsed, now, now_ms),
+                                        strict=True):
             if isinstance(prepared, Pending):
                 if entry.redelivered and self.model.generative:  # it may have begun
                     prepared.item.data = replace(prepared.item.data, redelivered=True)
@@ -162,33 +165,66 @@ class Intake:
                                   self.model.answers_on_stream(_decoded(request)))
         admission.bad.append(answer)
 
-    def prepare(self, entry_id: str, request: Request, now: float,
-                now_ms: int) -> Pending | Answer:
-        """Decode and tokenise one request, or the error answer that replaces it (for a
-        generative model, on the request's reply stream unless it asked for none)."""
-        prepared = self._prepare(entry_id, request, now, now_ms)
-        if isinstance(prepared, Answer) and self.model.generative:
+    def prepare_all(self, parsed: Sequence[tuple[Entry, Request]], now: float,
+                    now_ms: int) -> list[Pending | Answer]:
+        """Decode each request, then preprocess the read's payloads in one model call
+        (`prepare_many`: a batch tokeniser); each bad one becomes its own error answer (for
+        a generative model, on the request's reply stream unless it asked for none)."""
+        decoded = [self._decode(entry.id, request, now_ms) for entry, request in parsed]
+        at = [n for n, payload in enumerate(decoded) if not isinstance(payload, Answer)]
+        items = self._prepare_many([(decoded[n], len(parsed[n][1].payload)) for n in at])
+        results: list[Pending | Answer] = decoded  # the decoded payloads are replaced below
+        for n, item in zip(at, items, strict=True):
+            entry, request = parsed[n]
+            results[n] = self._pending(entry.id, request, item, now)
+        if self.model.generative:
+            return [self._routed(answer, request) for answer, (_, request)
+                    in zip(results, parsed, strict=True)]
+        return results
+
+    def _prepare_many(self, payloads: list[tuple[Any, int]]) -> list[Prepared | Exception]:
+        """The model's items for a read; should its batch call fail as a whole, one call
+        per payload, so only the payloads at fault are refused."""
+        if not payloads:
+            return []
+        try:
+            items = self.model.prepare_many(payloads)
+            if len(items) != len(payloads):
+                raise RuntimeError(f"prepare_many returned {len(items)} items "
+                                   f"for {len(payloads)} payloads")
+            return items
+        except Exception:
+            log.exception("model.prepare_many_failed", payloads=len(payloads))
+            return [item for one in payloads for item in Model.prepare_many(self.model, [one])]
+
+    def _routed(self, prepared: Pending | Answer, request: Request) -> Pending | Answer:
+        if isinstance(prepared, Answer):
             return routed_error(prepared, request, self.config.namespace,
                                 self.model.answers_on_stream(_decoded(request)))
         return prepared
 
-    def _prepare(self, entry_id: str, request: Request, now: float,
-                 now_ms: int) -> Pending | Answer:
+    def _decode(self, entry_id: str, request: Request, now_ms: int) -> Any:
+        """The decoded payload, or the error answer that replaces the request."""
         if is_past_deadline(request.deadline_ms, now_ms):
             return error_answer(entry_id, request, ErrorCode.DEADLINE_EXCEEDED,
                                 "deadline passed before the request was read")
         try:
-            payload = protocol.decode(request.payload, request.content_type)
-            item = self.model.prepare(payload, len(request.payload))
-        except InvalidInput as exc:
-            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc),
-                                **exc.details)
+            return protocol.decode(request.payload, request.content_type)
         except ValueError as exc:  # an undecodable payload
             return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc))
-        except Exception as exc:
-            log.exception("model.prepare_failed", request_id=request.id)
+
+    def _pending(self, entry_id: str, request: Request, item: Prepared | Exception,
+                 now: float) -> Pending | Answer:
+        """The request queued with its model item, or its error answer."""
+        if isinstance(item, InvalidInput):
+            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(item),
+                                **item.details)
+        if isinstance(item, ValueError):
+            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(item))
+        if isinstance(item, Exception):
+            log.error("model.prepare_failed", request_id=request.id, exc_info=item)
             return error_answer(entry_id, request, ErrorCode.MODEL_ERROR,
-                                f"preprocessing failed: {type(exc).__name__}: {exc}")
+                                f"preprocessing failed: {type(item).__name__}: {item}")
         return Pending(entry_id, request, item, now)
 
 
