@@ -54,10 +54,13 @@ class Model(ABC):
     #: a generative model (models/generative.py): served token by token by the generate
     #: loop (pipeline/generate.py), not by collate/forward/postprocess
     generative: bool = False
+    #: the dtype to compute in (the `dtype` setting, resolved for the device), set by the
+    #: worker before load(); a model that has only one may ignore it
+    dtype: torch.dtype = torch.float32
 
     @abstractmethod
     def load(self, device: torch.device) -> None:
-        """Load weights onto `device`. Called once, before any other method."""
+        """Load weights onto `device`, in `self.dtype`. Called once, before any other method."""
 
     @abstractmethod
     def prepare(self, payload: Any, nbytes: int) -> Prepared:

@@ -41,6 +41,7 @@ class SentenceEncoder(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask,
                            token_type_ids=torch.zeros_like(attention_mask)).last_hidden_state
+        hidden = hidden.float()  # pooled and normalised in float32, whatever the dtype
         weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         return F.normalize(pooled, p=2, dim=1)
@@ -78,7 +79,7 @@ class MiniLMModel(Model):
         self.tokenizer.enable_truncation(self.max_seq_length)
         self.tokenizer.no_padding()
         self.device = device
-        self.model = AutoModel.from_pretrained(self.path).eval().to(device)
+        self.model = AutoModel.from_pretrained(self.path).eval().to(device, self.dtype)
         self.encoder: torch.nn.Module = SentenceEncoder(self.model)
         if self.trace or (self.trace is None and device.type == "cpu"):
             self.encoder = self._traced() or self.encoder
