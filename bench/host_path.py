@@ -32,12 +32,12 @@ import torch
 
 from bench.stage_clock import STAGES, StageClock
 from producer import protocol
-from worker.execution.executor import Executor
+from worker.execution.executor import Executor, device_precision, resolve_device
 from worker.models import Model, create_model
+from worker.models.echo import EchoModel
 from worker.models.minilm import MiniLMModel
 
 SENTENCES = Path(__file__).resolve().parent.parent / "examples" / "sentences.txt"
-DEVICE = torch.device("cpu")
 
 
 class InstantMiniLM(MiniLMModel):
@@ -47,8 +47,8 @@ class InstantMiniLM(MiniLMModel):
         super().__init__(trace=False, **options)
 
     def forward(self, batch: Any) -> torch.Tensor:
-        size = batch["input_ids"].shape[0]
-        return torch.full((size, 384), 0.05, dtype=torch.float32)  # what pooling would return
+        ids = batch["input_ids"]  # what pooling would return, where it would return it
+        return torch.full((ids.shape[0], 384), 0.05, dtype=torch.float32, device=ids.device)
 
 
 def payloads(count: int, encoding: str | None) -> list[bytes]:
@@ -67,7 +67,8 @@ def serving(url: str, name: str, model: Model, instances: int) -> Iterator[None]
     settings = load_settings(None, redis_url=url, model="echo", model_name=name,
                              metrics_port=0, block_ms=100, instances=instances,
                              max_batch_size=64, warmup=False)
-    worker = assemble_worker(settings, model, Executor(model, DEVICE), connect(url, 100))
+    worker = assemble_worker(settings, model, Executor(model, model.device),
+                             connect(url, 100))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     assert worker.ready.wait(30), "worker did not start"
@@ -151,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoding", default=None,
                         help="the payload's `encoding` option for MiniLM, e.g. float32")
     parser.add_argument("--no-stages", action="store_true", help="rates only")
+    parser.add_argument("--device", default="cpu", help="e.g. cuda: the same on a GPU")
+    parser.add_argument("--dtype", default="auto", help="the dtype setting, for MiniLM")
+    parser.add_argument("--real", action="store_true",
+                        help="also MiniLM's real forward (`minilm`), for the device's share")
     args = parser.parse_args(argv)
     from worker.observe.log import configure_logging
     from worker.streams.server import RedisServer
@@ -158,10 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning", "console")
     torch.set_num_threads(1)
     models: dict[str, Model] = {"echo": create_model("echo", {}), "instant": InstantMiniLM()}
+    if args.real:
+        models["minilm"] = create_model("minilm", {})
+    device = resolve_device(args.device)
     for model in models.values():
-        model.load(DEVICE)
-    data = {"echo": payloads(args.requests, None),
-            "instant": payloads(args.requests, args.encoding)}
+        if model.__class__ is not EchoModel:
+            model.dtype = getattr(torch, device_precision(args.dtype, device).dtype)
+        model.load(device)
+    data = {name: payloads(args.requests, None if name == "echo" else args.encoding)
+            for name in models}
     with tempfile.TemporaryDirectory() as tmp, \
             RedisServer(Path(tmp), appendonly=False) as server:
         found = rates(server.url, models, data, args.rounds, args.instances)

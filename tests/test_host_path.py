@@ -204,3 +204,11 @@ def test_a_bad_entry_in_a_read_is_refused_alone(
     assert "msgpack" in replies[1]["error"]["message"]
     assert replies[3]["error"]["field"] == "encoding"
     assert replies[0]["result"]["tokens"] == 3 and replies[4]["result"]["tokens"] == 4
+
+
+def test_the_host_path_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.host_path import main
+
+    assert main(["--requests", "150", "--rounds", "1", "--encoding", "float32"]) == 0
+    printed = capsys.readouterr().out
+    assert "instant / echo =" in printed and "tokenise" in printed and "process" in printed
