@@ -1,9 +1,10 @@
 """The model interface: what a plugin must provide for the worker to batch and run it.
 
 A model turns one decoded payload into a `Prepared` item (validating it and measuring its
-length; `prepare_many` does a read's payloads in one call), collates a list of items into one padded batch, runs the batch, and splits the
-output back into one JSON/msgpack-serialisable result per item. The worker owns everything
-else: reading, bucketing, devices, replies.
+length; `prepare_many` does a read's payloads in one call), collates a list of items into
+one padded batch, runs the batch, and splits the output back into one JSON/msgpack-
+serialisable result per item. The worker owns everything else: reading, bucketing,
+devices, replies.
 """
 
 from __future__ import annotations
