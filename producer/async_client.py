@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 import producer.client as base
 from producer import connection, protocol
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, ShardCycle, published_shards
+from producer.embeddings import with_embedding
 from producer.errors import Overloaded, ResultTimeout, unwrap
 from producer.replicas import AUTO, ReplicaCount
 
@@ -32,9 +33,10 @@ class AsyncClient(base._Base):
                  redis_client: aioredis.Redis | None = None,
                  max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP,
                  cluster: bool = False, replicas_to_wait: int = AUTO,
-                 replicas_wait_ms: int = 100) -> None:
+                 replicas_wait_ms: int = 100, as_numpy: bool = False) -> None:
         super().__init__(model, namespace, content_type, max_backlog, group,
                          ReplicaCount(replicas_to_wait, replicas_wait_ms))
+        self.as_numpy = as_numpy  # embeddings (either encoding) as float32 numpy arrays
         self.redis = redis_client or connection.async_client(url, cluster)
         self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
         self._add_once = self.redis.register_script(ADD_ONCE)
@@ -207,22 +209,24 @@ class AsyncClient(base._Base):
                 await pipe.execute()
         return ids
 
-    async def wait(self, request_id: str, timeout: float = 30.0,
-                   reply_to: str | None = None) -> dict[str, Any]:
+    async def wait(self, request_id: str, timeout: float = 30.0, reply_to: str | None = None,
+                   as_numpy: bool | None = None) -> dict[str, Any]:
         key = reply_to or self.reply_key(request_id)
         for block_s in base.block_slices(timeout):
             popped: Any = await self.redis.blpop([key], timeout=block_s)
             envelope = popped and self._own(popped[1], (request_id,))
             if envelope:
                 self._forget(request_id)
-                return envelope
+                return with_embedding(envelope, self.as_numpy if as_numpy is None else as_numpy)
         raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 
-    async def result(self, request_id: str, timeout: float = 30.0) -> Any:
-        return unwrap(await self.wait(request_id, timeout))
+    async def result(self, request_id: str, timeout: float = 30.0,
+                     as_numpy: bool | None = None) -> Any:
+        return unwrap(await self.wait(request_id, timeout, as_numpy=as_numpy))
 
-    async def infer(self, payload: Any, timeout: float = 30.0, **options: Any) -> Any:
-        return await self.result(await self.submit(payload, **options), timeout)
+    async def infer(self, payload: Any, timeout: float = 30.0, as_numpy: bool | None = None,
+                    **options: Any) -> Any:
+        return await self.result(await self.submit(payload, **options), timeout, as_numpy)
 
     async def close(self) -> None:
         for node in self._nodes.values():

@@ -17,6 +17,7 @@ import redis
 
 from producer import connection, protocol
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, add_arguments, add_once_arguments
+from producer.embeddings import with_embedding
 from producer.errors import (  # noqa: F401 (re-exported: callers import them from here)
     Overloaded,
     RedbatchError,
@@ -155,7 +156,7 @@ class Client(ShardedSubmit, _Base):
                  redis_client: redis.Redis | None = None,
                  max_backlog: int | None = None, group: str = protocol.DEFAULT_GROUP,
                  cluster: bool = False, replicas_to_wait: int = AUTO,
-                 replicas_wait_ms: int = 100) -> None:
+                 replicas_wait_ms: int = 100, as_numpy: bool = False) -> None:
         """`max_backlog`: refuse (Overloaded) when the group's backlog would pass it.
         `url`: any form producer/connection.py reads (Sentinel, TLS; `cluster` for a seed
         node). `replicas_to_wait`: WAIT for that many replicas after each XADD, and send
@@ -166,6 +167,7 @@ class Client(ShardedSubmit, _Base):
         self._add_if_under = self.redis.register_script(ADD_IF_UNDER)
         self._add_once = self.redis.register_script(ADD_ONCE)
         self._shard_over(self.redis)
+        self.as_numpy = as_numpy  # embeddings (either encoding) as float32 numpy arrays
 
     def submit(self, payload: Any, *, request_id: str | None = None, reply_to: str | None = None,
                deadline_ms: int | None = None, priority: int = 0) -> str:
@@ -254,8 +256,8 @@ class Client(ShardedSubmit, _Base):
             ids += chunk_ids
         return ids
 
-    def wait(self, request_id: str, timeout: float = 30.0,
-             reply_to: str | None = None) -> dict[str, Any]:
+    def wait(self, request_id: str, timeout: float = 30.0, reply_to: str | None = None,
+             as_numpy: bool | None = None) -> dict[str, Any]:
         """Its reply envelope (ok or not), never another id's; ResultTimeout if none came."""
         key = reply_to or self.reply_key(request_id)
         for block_s in block_slices(timeout):
@@ -263,16 +265,18 @@ class Client(ShardedSubmit, _Base):
             envelope = popped and self._own(popped[1], (request_id,))
             if envelope:
                 self._forget(request_id)
-                return envelope
+                return with_embedding(envelope, self.as_numpy if as_numpy is None else as_numpy)
         raise ResultTimeout(f"no reply for request {request_id} within {timeout} s")
 
-    def result(self, request_id: str, timeout: float = 30.0) -> Any:
+    def result(self, request_id: str, timeout: float = 30.0,
+               as_numpy: bool | None = None) -> Any:
         """The result of one request; RequestFailed or ResultTimeout otherwise."""
-        return unwrap(self.wait(request_id, timeout))
+        return unwrap(self.wait(request_id, timeout, as_numpy=as_numpy))
 
-    def infer(self, payload: Any, timeout: float = 30.0, **options: Any) -> Any:
-        """Submit and wait in one call."""
-        return self.result(self.submit(payload, **options), timeout)
+    def infer(self, payload: Any, timeout: float = 30.0, as_numpy: bool | None = None,
+              **options: Any) -> Any:
+        """Submit and wait in one call (`as_numpy`: the embedding as a numpy array)."""
+        return self.result(self.submit(payload, **options), timeout, as_numpy)
 
     def collect(self, reply_to: str, count: int, timeout: float = 60.0,
                 on_reply: Any = None, ids: Collection[str] | None = None
@@ -291,9 +295,9 @@ class Client(ShardedSubmit, _Base):
             for data in batch:
                 envelope = protocol.decode_envelope(data) if ids is None else self._own(data, ids)
                 if envelope:
-                    envelopes.append(envelope)
+                    envelopes.append(with_embedding(envelope, self.as_numpy))
                     if on_reply:
-                        on_reply(envelope)
+                        on_reply(envelopes[-1])
         return envelopes
 
     def close(self) -> None:

@@ -79,7 +79,7 @@ def test_calibrate_writes_the_file_the_worker_loads(tmp_path: Path) -> None:
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=120)
     assert done.returncode == 0, done.stderr
-    path = tmp_path / "echo-cpu.json"
+    path = tmp_path / "echo-cpu-float32.json"
     assert f"wrote {path}" in done.stdout
     document = json.loads(path.read_text())
     assert [b["max_length"] for b in document["buckets"]] == [64, 256]
@@ -90,7 +90,7 @@ def test_calibrate_writes_the_file_the_worker_loads(tmp_path: Path) -> None:
 
 def test_the_worker_starts_with_calibrated_sizes_and_warms_each_bucket(
         tmp_path: Path, redis_url: str, r: redis.Redis) -> None:
-    (tmp_path / "pressuremodel-cpu.json").write_text(json.dumps(
+    (tmp_path / "pressuremodel-cpu-float32.json").write_text(json.dumps(
         {"buckets": [{"max_length": 64, "batch_size": 2}]}))
     settings = load_settings(None, redis_url=redis_url, model="tests.plugin_models:PressureModel",
                              bucket_boundaries=[64, 256], max_batch_size=4, metrics_port=0,
@@ -104,7 +104,7 @@ def test_the_worker_starts_with_calibrated_sizes_and_warms_each_bucket(
 
 def test_a_malformed_calibration_file_stops_the_worker_clearly(
         tmp_path: Path, redis_url: str, r: redis.Redis) -> None:
-    (tmp_path / "echo-cpu.json").write_text("{not json")
+    (tmp_path / "echo-cpu-float32.json").write_text("{not json")
     settings = load_settings(None, redis_url=redis_url, model="echo", metrics_port=0,
                              calibration_dir=tmp_path)
     with pytest.raises(StartupError, match="malformed"):

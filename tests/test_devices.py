@@ -116,3 +116,46 @@ def test_cuda_instances_run_on_their_own_streams_with_the_same_results() -> None
     one, two = first.run(items, bucket=0), second.run(items, bucket=0)
     assert torch.allclose(torch.tensor(one[0]["embedding"]), torch.tensor(two[0]["embedding"]),
                           atol=1e-5)
+
+
+class PendingCopy(Marker):
+    """A copy still in flight until `finish()`: what a CUDA event reports before the copy ends."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.finished = False
+        self.waited = 0
+
+    def done(self) -> bool:
+        return self.finished
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.finished = True
+
+
+def test_a_free_slot_is_reused_before_a_second_buffer_is_made() -> None:
+    """Batch after batch of one shape, each copy finished before the next: one buffer per
+    tensor, not two (the CUDA check failed with "allocations 4, expected 2")."""
+    staging = PinnedStaging(pin=False)
+    first = staging.hold((0, 0), torch.arange(6).view(2, 3))
+    staging.release(Marker(None))  # its copy is done
+    for _ in range(3):
+        again = staging.hold((0, 0), torch.arange(6).view(2, 3))
+        staging.release(Marker(None))
+        assert again.data_ptr() == first.data_ptr()
+    assert staging.allocations == 1
+
+
+def test_a_slot_whose_copy_is_in_flight_is_not_refilled() -> None:
+    staging = PinnedStaging(pin=False)
+    first = staging.hold("k", torch.zeros(4))
+    in_flight = PendingCopy()
+    staging.release(in_flight)
+    second = staging.hold("k", torch.ones(4))  # the other slot: the first is still read
+    staging.release(PendingCopy())
+    assert second.data_ptr() != first.data_ptr() and first.tolist() == [0.0] * 4
+    assert staging.allocations == 2 and in_flight.waited == 0
+    third = staging.hold("k", torch.full((4,), 2.0))  # both in flight: waits for the first
+    assert third.data_ptr() == first.data_ptr() and in_flight.waited == 1
+    assert second.tolist() == [1.0] * 4

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from producer import Client
 from tests.conftest import npm_installed
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -36,6 +37,24 @@ def assert_echoed(envelopes: list[dict[str, Any]]) -> None:
     assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == len(ids), ids
 
 
+def embedded(redis_url: str, worker_factory: Any, command: list[str], cwd: Path,
+             content_type: str) -> None:
+    """MiniLM's embeddings as float32 bytes (`ENCODING=float32`), decoded by the client to
+    the numbers the default list of floats carries (the Python client's, same texts)."""
+    client = Client(redis_url, "minilm", content_type=content_type)
+    with worker_factory(model="minilm", max_wait_ms=20):
+        got = run_client(command, redis_url, cwd=cwd, MODEL="minilm", ENCODING="float32",
+                         CONTENT_TYPE=content_type)
+        want = [client.infer({"text": text}, timeout=60) for text in TEXTS]
+    client.close()
+    assert [e["ok"] for e in got] == [True] * len(TEXTS)
+    for envelope, expected in zip(got, want, strict=True):
+        vector = envelope["result"]["embedding"]
+        assert isinstance(vector, list) and len(vector) == 384
+        assert envelope["result"]["tokens"] == expected["tokens"]
+        assert max(abs(a - b) for a, b in zip(vector, expected["embedding"], strict=True)) < 1e-5
+
+
 def test_redis_cli_example(redis_url: str, worker_factory: Any) -> None:
     if not shutil.which("redis-cli"):
         pytest.skip("redis-cli is not installed")
@@ -56,6 +75,12 @@ def test_node_example(redis_url: str, worker_factory: Any, node_client: Path,
     with worker_factory(model="echo"):
         assert_echoed(run_client(["node", "client.mjs"], redis_url, cwd=node_client,
                                  CONTENT_TYPE=content_type))
+
+
+@pytest.mark.parametrize("content_type", ["application/msgpack", "application/json"])
+def test_node_example_decodes_float32_embeddings(redis_url: str, worker_factory: Any,
+                                                 node_client: Path, content_type: str) -> None:
+    embedded(redis_url, worker_factory, ["node", "client.mjs"], node_client, content_type)
 
 
 # Debian's golang-*-dev packages put their sources here; examples/go/vendor-debian.sh makes a
@@ -117,6 +142,12 @@ def test_go_example(redis_url: str, worker_factory: Any, go_client: Path,
                     content_type: str) -> None:
     with worker_factory(model="echo"):
         assert_echoed(run_client([str(go_client)], redis_url, CONTENT_TYPE=content_type))
+
+
+@pytest.mark.parametrize("content_type", ["application/msgpack", "application/json"])
+def test_go_example_decodes_float32_embeddings(redis_url: str, worker_factory: Any,
+                                               go_client: Path, content_type: str) -> None:
+    embedded(redis_url, worker_factory, [str(go_client)], EXAMPLES, content_type)
 
 
 def test_go_example_reports_timeouts(redis_url: str, go_client: Path) -> None:

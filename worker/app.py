@@ -22,13 +22,13 @@ from producer.replicas import ReplicaCount
 from worker.execution.calibration import (
     CalibrationError,
     Observe,
+    calibrated_sizes,
     calibration_path,
-    load_calibration,
     measure_merge_tokens,
     warm_up,
 )
 from worker.execution.cores import available_cores
-from worker.execution.executor import Executor, resolve_device
+from worker.execution.executor import Executor, device_precision, dtype_name, resolve_device
 from worker.execution.memory import MemoryProbe, memory_probe
 from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
@@ -101,11 +101,14 @@ def redis_url(settings: Settings) -> Iterator[str]:
 
 
 def load_model(settings: Settings) -> tuple[Model, torch.device]:
+    """The model loaded on its device, in the dtype the settings resolve to there."""
     try:
         model = create_model(settings.model, settings.model_options)
         device = resolve_device(settings.device)
+        precision = device_precision(settings.dtype, device)
     except (ModelLoadError, ValueError) as exc:
         raise StartupError(str(exc)) from None
+    model.dtype = getattr(torch, precision.dtype)
     torch.set_num_threads(resolve_layout(settings, model, device).threads)
     started = time.perf_counter()
     try:
@@ -113,8 +116,8 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
     except Exception as exc:  # plugin code: any failure to load is a start-up error
         raise StartupError(f"cannot load model {settings.model!r}: "
                            f"{type(exc).__name__}: {exc}") from None
-    log.info("model.loaded", model=settings.model, device=str(device),
-             seconds=round(time.perf_counter() - started, 2))
+    log.info("model.loaded", model=settings.model, device=str(device), dtype=precision.describe(),
+             why=precision.reason, seconds=round(time.perf_counter() - started, 2))
     return model, device
 
 
@@ -123,20 +126,6 @@ def resolve_layout(settings: Settings, model: Model, device: torch.device) -> La
     return choose_layout(settings.instances, settings.torch_threads,
                          settings.cpu_cores or available_cores(), device.type == "cpu",
                          model.concurrent_forward)
-
-
-def load_batch_sizes(settings: Settings, device: torch.device) -> dict[int, int] | None:
-    """The calibrated batch size per bucket boundary, when this model was calibrated here."""
-    path = calibration_path(settings.calibration_dir, settings.model_name, device)
-    try:
-        sizes = load_calibration(path)
-    except CalibrationError as exc:
-        raise StartupError(str(exc)) from None
-    if sizes is None:
-        log.debug("calibration.none", path=str(path), hint="python -m worker calibrate")
-    else:
-        log.info("calibration.loaded", path=str(path), batch_sizes=sizes)
-    return sizes
 
 
 def assemble_worker(settings: Settings, model: Model, executor: Executor,
@@ -248,8 +237,8 @@ def describe_worker(settings: Settings, layout: Layout, model: Model, device: to
     """What `stats` shows of this worker: its layout and why, its device, and with a
     latency target the observed percentile and the margin (read under the worker's lock)."""
     static = {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
-              "model": settings.model, "generative": model.generative,
-              "started_ms": int(time.time() * 1000)}
+              "dtype": dtype_name(model.dtype), "model": settings.model,
+              "generative": model.generative, "started_ms": int(time.time() * 1000)}
     policy = targeted.policy
     if not settings.latency_target_ms:
         return lambda: static
@@ -274,8 +263,12 @@ def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence
 def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     """Load the model, assemble and warm up the worker (a target's model: warm runs only)."""
     model, device = load_model(settings)
-    worker = assemble_worker(settings, model, Executor(model, device), client,
-                             calibrated=load_batch_sizes(settings, device))
+    try:  # the best batch size per bucket, when calibrated on this device in this dtype
+        calibrated = calibrated_sizes(calibration_path(
+            settings.calibration_dir, settings.model_name, device, dtype_name(model.dtype)))
+    except CalibrationError as exc:
+        raise StartupError(str(exc)) from None
+    worker = assemble_worker(settings, model, Executor(model, device), client, calibrated)
     if settings.warmup:
         policy = worker.intake.targeted.policy
         observe = policy.model.observe if settings.latency_target_ms else None

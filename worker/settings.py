@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     model_name: str = Field("", description="name in the stream key; default derived from model")
     model_options: dict[str, Any] = Field(default_factory=dict)
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description=(
+        "the dtype the model computes in; auto: bfloat16 on CUDA >= 8.0, float16 on older "
+        "CUDA, float32 on a CPU. float32 on CUDA >= 8.0 allows TF32 matmuls"))
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: the "
                                "cores shared out among the processes and instances")
     instances: int | Literal["auto"] = Field("auto", description=(

@@ -3,18 +3,23 @@
 //
 //	go run . "first text" "second text"
 //	env: REDIS_URL (redis://127.0.0.1:6379/0), MODEL (minilm), CONTENT_TYPE
-//	     (application/msgpack or application/json), TIMEOUT_S (30)
+//	     (application/msgpack or application/json), TIMEOUT_S (30), ENCODING (float32:
+//	     embeddings come back as little-endian float32 bytes; unset: a list of floats)
 //
-// Prints one reply envelope per line as JSON; exits 1 if any request failed or timed out.
+// Prints one reply envelope per line as JSON (embeddings as lists of numbers); exits 1 if
+// any request failed or timed out.
 // Libraries: redigo and vmihailenco/msgpack, both packaged by Debian (see ../README.md).
 package main
 
 import (
 	"crypto/rand"
+	"encoding/base64"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"strconv"
 	"time"
@@ -75,11 +80,52 @@ func decodeEnvelope(data []byte) (Envelope, error) {
 	return envelope, msgpack.Unmarshal(data, &envelope)
 }
 
+// decodeEmbedding turns a float32 embedding (msgpack bin, or base64 text in a JSON reply)
+// into numbers; a list of floats is returned as it is.
+func decodeEmbedding(value any) (any, error) {
+	var raw []byte
+	switch v := value.(type) {
+	case []byte:
+		raw = v
+	case string:
+		decoded, err := base64.StdEncoding.DecodeString(v)
+		if err != nil {
+			return nil, fmt.Errorf("embedding: %w", err)
+		}
+		raw = decoded
+	default:
+		return value, nil
+	}
+	if len(raw)%4 != 0 {
+		return nil, fmt.Errorf("embedding: %d bytes is not a float32 vector", len(raw))
+	}
+	vector := make([]float64, len(raw)/4)
+	for i := range vector {
+		vector[i] = float64(math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:])))
+	}
+	return vector, nil
+}
+
+// withEmbedding decodes the embedding of a successful reply in place.
+func withEmbedding(envelope Envelope) (Envelope, error) {
+	result, ok := envelope.Result.(map[string]any)
+	if !envelope.OK || !ok || result["embedding"] == nil {
+		return envelope, nil
+	}
+	vector, err := decodeEmbedding(result["embedding"])
+	result["embedding"] = vector
+	return envelope, err
+}
+
 // submit enqueues every text in one pipeline and returns the request ids in order.
-func submit(conn redis.Conn, model, contentType string, texts []string) ([]string, error) {
+func submit(conn redis.Conn, model, contentType, encoding string, texts []string) ([]string, error) {
 	ids := make([]string, 0, len(texts))
 	for _, text := range texts {
-		payload, err := encodePayload(contentType, map[string]string{"text": text})
+		fields := map[string]string{"text": text}
+		if encoding != "" {
+			fields["encoding"] = encoding
+		}
+		payload, err := encodePayload(contentType, fields)
 		if err != nil {
 			return nil, err
 		}
@@ -115,7 +161,11 @@ func wait(conn redis.Conn, id string, timeoutS int) (Envelope, error) {
 	if err != nil {
 		return Envelope{}, err
 	}
-	return decodeEnvelope(popped[1])
+	envelope, err := decodeEnvelope(popped[1])
+	if err != nil {
+		return envelope, err
+	}
+	return withEmbedding(envelope)
 }
 
 func run(texts []string) error {
@@ -135,7 +185,7 @@ func run(texts []string) error {
 	}
 	defer conn.Close()
 
-	ids, err := submit(conn, getenv("MODEL", "minilm"), contentType, texts)
+	ids, err := submit(conn, getenv("MODEL", "minilm"), contentType, getenv("ENCODING", ""), texts)
 	if err != nil {
 		return err
 	}

@@ -12,7 +12,7 @@ from worker.execution.calibration import (
     calibration_path,
     write_calibration,
 )
-from worker.execution.executor import Executor
+from worker.execution.executor import Executor, dtype_name
 from worker.execution.memory import memory_probe
 from worker.settings import Settings
 
@@ -31,8 +31,10 @@ def run_calibration(settings: Settings, repeats: int) -> int:
                             settings.memory_high_watermark)
     except CalibrationError as exc:
         raise StartupError(str(exc)) from None
-    path = calibration_path(settings.calibration_dir, settings.model_name, device)
+    path = calibration_path(settings.calibration_dir, settings.model_name, device,
+                            dtype_name(model.dtype))
     write_calibration(path, settings.model_name, device, buckets, repeats=repeats,
+                      dtype=dtype_name(model.dtype),
                       max_batch_size=settings.max_batch_size,
                       max_batch_tokens=settings.max_batch_tokens)
     print(f"{'max_length':>10} {'batch_size':>10} {'stopped':>13}  items/s by batch size")

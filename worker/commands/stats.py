@@ -99,7 +99,8 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
                        "—" if rate is None else f"{rate:.1f}", drain)
         for consumer in stats.consumers:
             consumers.add_row(stats.model, consumer.name, str(consumer.pending),
-                              format_duration(consumer.idle_ms / 1000), consumer.layout or "—",
+                              format_duration(consumer.idle_ms / 1000),
+                              ", ".join(filter(None, (consumer.layout, consumer.dtype))) or "—",
                               describe_latency(consumer.latency))
     if not rows:
         models.caption = "no request streams yet"

@@ -48,8 +48,20 @@ def device_key(device: torch.device) -> str:
     return "cuda-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def calibration_path(directory: Path, model_name: str, device: torch.device) -> Path:
-    return directory / f"{model_name}-{device_key(device)}.json"
+def calibration_path(directory: Path, model_name: str, device: torch.device,
+                     dtype: str) -> Path:
+    """A calibration holds for one device and one dtype (bfloat16 batches cost less)."""
+    return directory / f"{model_name}-{device_key(device)}-{dtype}.json"
+
+
+def calibrated_sizes(path: Path) -> dict[int, int] | None:
+    """load_calibration, logged: what the worker starts with (CalibrationError: unusable)."""
+    sizes = load_calibration(path)
+    if sizes is None:
+        log.debug("calibration.none", path=str(path), hint="python -m worker calibrate")
+    else:
+        log.info("calibration.loaded", path=str(path), batch_sizes=sizes)
+    return sizes
 
 
 def load_calibration(path: Path) -> dict[int, int] | None:

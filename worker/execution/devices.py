@@ -92,7 +92,7 @@ class Lanes:
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: `in` must not compare buffers
 class Slot:
     buffer: torch.Tensor | None = None
     released: Marker | None = None  # the copy that last read this buffer
@@ -101,9 +101,10 @@ class Slot:
 class PinnedStaging:
     """Host buffers reused per key (bucket and tensor), for asynchronous host-to-device copies.
 
-    Each key has two slots, used in turn (double buffering): a slot is refilled only after
-    the copy that last read it has finished, so an in-flight copy never sees new data.
-    Buffers grow to the largest shape seen, so after warm-up nothing is allocated per batch.
+    Each key has two slots (double buffering): a slot is refilled only after the copy that
+    last read it has finished, so an in-flight copy never sees new data; a free slot is
+    taken before a second buffer is made. Buffers grow to the largest shape seen, so after
+    warm-up nothing is allocated per batch.
     """
 
     def __init__(self, pin: bool, slots: int = 2) -> None:
@@ -116,12 +117,7 @@ class PinnedStaging:
 
     def hold(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         """A staging view holding `tensor`'s data, to copy from until release()."""
-        slots = self._slots.setdefault(key, [Slot() for _ in range(self.slots)])
-        turn = self._turn.get(key, 0)
-        self._turn[key] = (turn + 1) % self.slots
-        slot = slots[turn]
-        if slot.released is not None:
-            slot.released.synchronize()
+        slot = self._free_slot(key, tensor)
         numel = tensor.numel()
         if slot.buffer is None or slot.buffer.dtype != tensor.dtype or slot.buffer.numel() < numel:
             slot.buffer = torch.empty(numel, dtype=tensor.dtype, pin_memory=self.pin)
@@ -130,6 +126,25 @@ class PinnedStaging:
         view.copy_(tensor)
         self._unreleased.append(slot)
         return view
+
+    def _free_slot(self, key: Hashable, tensor: torch.Tensor) -> Slot:
+        """A slot whose last copy has finished, one with a buffer that fits first; when every
+        slot's copy is still in flight, the next in turn, once its copy is done. (Taking
+        slots strictly in turn allocated the second buffer even when the first was free.)"""
+        slots = self._slots.setdefault(key, [Slot() for _ in range(self.slots)])
+        free = [slot for slot in slots if slot not in self._unreleased
+                and (slot.released is None or slot.released.done())]
+        fitting = [slot for slot in free if slot.buffer is not None
+                   and slot.buffer.dtype == tensor.dtype
+                   and slot.buffer.numel() >= tensor.numel()]
+        if fitting or free:
+            return (fitting or free)[0]
+        turn = self._turn.get(key, 0)
+        self._turn[key] = (turn + 1) % self.slots
+        slot = slots[turn]
+        if slot.released is not None:
+            slot.released.synchronize()
+        return slot
 
     def release(self, copied: Marker) -> None:
         """The copies reading the slots held since the last release end at `copied`."""

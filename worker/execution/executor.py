@@ -19,6 +19,7 @@ import torch
 
 from worker.execution.devices import Lanes, Marker, PinnedStaging, map_tensors
 from worker.models.base import Model, Prepared
+from worker.policy.precision import Precision, choose_precision
 
 
 def resolve_device(name: str) -> torch.device:
@@ -29,6 +30,22 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
+
+
+def device_precision(setting: str, device: torch.device) -> Precision:
+    """The `dtype` setting resolved for this device (policy/precision.py); on CUDA with TF32
+    allowed, float32 matmuls use the tensor cores from here on (a process-wide switch)."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    precision = choose_precision(setting, device.type, capability)
+    if precision.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return precision
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16: the name the settings, logs and file names use."""
+    return str(dtype).removeprefix("torch.")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

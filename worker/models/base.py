@@ -1,9 +1,10 @@
 """The model interface: what a plugin must provide for the worker to batch and run it.
 
 A model turns one decoded payload into a `Prepared` item (validating it and measuring its
-length), collates a list of items into one padded batch, runs the batch, and splits the
-output back into one JSON/msgpack-serialisable result per item. The worker owns everything
-else: reading, bucketing, devices, replies.
+length; `prepare_many` does a read's payloads in one call), collates a list of items into
+one padded batch, runs the batch, and splits the output back into one JSON/msgpack-
+serialisable result per item. The worker owns everything else: reading, bucketing,
+devices, replies.
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ class Model(ABC):
     #: a generative model (models/generative.py): served token by token by the generate
     #: loop (pipeline/generate.py), not by collate/forward/postprocess
     generative: bool = False
+    #: the dtype to compute in (the `dtype` setting, resolved for the device), set by the
+    #: worker before load(); a model that has only one may ignore it
+    dtype: torch.dtype = torch.float32
 
     @abstractmethod
     def load(self, device: torch.device) -> None:
-        """Load weights onto `device`. Called once, before any other method."""
+        """Load weights onto `device`, in `self.dtype`. Called once, before any other method."""
 
     @abstractmethod
     def prepare(self, payload: Any, nbytes: int) -> Prepared:
@@ -66,6 +70,20 @@ class Model(ABC):
         Raise InvalidInput for a user mistake. Runs on the reader thread, overlapping the
         compute of the current batch, so tokenisation belongs here.
         """
+
+    def prepare_many(self, payloads: Sequence[tuple[Any, int]]) -> list[Prepared | Exception]:
+        """`prepare` for each (payload, nbytes) of one read, in order: an item, or the
+        exception that refuses that one payload (InvalidInput: a user mistake).
+
+        Override it to preprocess a read's payloads in one call (a batch tokeniser runs
+        outside the GIL); one bad payload must not affect the others."""
+        prepared: list[Prepared | Exception] = []
+        for payload, nbytes in payloads:
+            try:
+                prepared.append(self.prepare(payload, nbytes))
+            except Exception as exc:  # answered for this payload alone, by the intake
+                prepared.append(exc)
+        return prepared
 
     @abstractmethod
     def collate(self, items: Sequence[Prepared]) -> Any:

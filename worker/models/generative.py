@@ -65,6 +65,7 @@ class CausalLM(Model):
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, **extra)
         lm: Any = AutoModelForCausalLM.from_pretrained(self.path, **extra)
         self.lm = lm.to(device).eval()
+        self.dtype = self.lm.dtype  # the weights' own (the `dtype` setting is for encoders)
         self.device = device
         self.context = context_window(self.lm.config)
         self.longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)

@@ -21,7 +21,7 @@ import structlog
 from producer import protocol
 from producer.entry_rules import EntryRules
 from producer.protocol import ErrorCode, InvalidEntry, Request
-from worker.models.base import InvalidInput, Model
+from worker.models.base import InvalidInput, Model, Prepared
 from worker.observe import metrics
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer, refused_answer
 from worker.pipeline.inflight import InFlight
@@ -130,16 +130,15 @@ class Intake:
 
     def classify(self, entries: Sequence[Entry], now: float, now_ms: int) -> Admission:
         """Parse every entry, claim the ids of those that parse (one Redis call), then
-        decode and prepare the ones whose id is theirs."""
+        decode and prepare the ones whose id is theirs (one model call for the read)."""
         admission = Admission()
         parsed = [(entry, request) for entry in entries
                   if (request := self._parse(entry, admission)) is not None]
         taken = self.retry(self.ids.taken, [Claim(e.id, r.id, r.reply_to) for e, r in parsed])
-        for entry, request in parsed:
-            if entry.id in taken:
-                admission.bad.append(self._duplicate(entry.id, request))
-                continue
-            prepared = self.prepare(entry.id, request, now, now_ms)
+        admission.bad += [self._duplicate(e.id, r) for e, r in parsed if e.id in taken]
+        parsed = [(entry, request) for entry, request in parsed if entry.id not in taken]
+        for (entry, _), prepared in zip(parsed, self.prepare_all(parsed, now, now_ms),
+                                        strict=True):
             if isinstance(prepared, Pending):
                 if entry.redelivered and self.model.generative:  # it may have begun
                     prepared.item.data = replace(prepared.item.data, redelivered=True)
@@ -184,14 +183,35 @@ class Intake:
         admission.bad.append(self._routed(error_answer(
             entry_id, request, ErrorCode.INVALID_REQUEST, str(exc), **exc.details), request))
 
-    def prepare(self, entry_id: str, request: Request, now: float,
-                now_ms: int) -> Pending | Answer:
-        """Decode and tokenise one request, or the error answer that replaces it (for a
-        generative model, on the request's reply stream unless it asked for none)."""
-        prepared = self._prepare(entry_id, request, now, now_ms)
-        if isinstance(prepared, Answer):
-            return self._routed(prepared, request)
-        return prepared
+    def prepare_all(self, parsed: Sequence[tuple[Entry, Request]], now: float,
+                    now_ms: int) -> list[Pending | Answer]:
+        """Decode each request, then preprocess the read's payloads in one model call
+        (`prepare_many`: a batch tokeniser); each bad one becomes its own error answer,
+        routed where its reader waits (_routed)."""
+        decoded = [self._decode(entry.id, request, now_ms) for entry, request in parsed]
+        at = [n for n, payload in enumerate(decoded) if not isinstance(payload, Answer)]
+        items = self._prepare_many([(decoded[n], len(parsed[n][1].payload)) for n in at])
+        results: list[Pending | Answer] = decoded  # the decoded payloads are replaced below
+        for n, item in zip(at, items, strict=True):
+            entry, request = parsed[n]
+            results[n] = self._pending(entry.id, request, item, now)
+        return [self._routed(result, request) if isinstance(result, Answer) else result
+                for result, (_, request) in zip(results, parsed, strict=True)]
+
+    def _prepare_many(self, payloads: list[tuple[Any, int]]) -> list[Prepared | Exception]:
+        """The model's items for a read; should its batch call fail as a whole, one call
+        per payload, so only the payloads at fault are refused."""
+        if not payloads:
+            return []
+        try:
+            items = self.model.prepare_many(payloads)
+            if len(items) != len(payloads):
+                raise RuntimeError(f"prepare_many returned {len(items)} items "
+                                   f"for {len(payloads)} payloads")
+            return items
+        except Exception:
+            log.exception("model.prepare_many_failed", payloads=len(payloads))
+            return [item for one in payloads for item in Model.prepare_many(self.model, [one])]
 
     def _routed(self, answer: Answer, request: Request) -> Answer:
         """An error answer where the request's reader waits: a generative request's reply
@@ -205,27 +225,34 @@ class Intake:
             return routed_error(answer, request, self.config.namespace, streamed)
         return answer
 
-    def _prepare(self, entry_id: str, request: Request, now: float,
-                 now_ms: int) -> Pending | Answer:
+    def _decode(self, entry_id: str, request: Request, now_ms: int) -> Any:
+        """The decoded payload, or the error answer that replaces the request (its
+        deadline passed, its payload is undecodable, its reply_to of the wrong kind)."""
         if is_past_deadline(request.deadline_ms, now_ms):
             return error_answer(entry_id, request, ErrorCode.DEADLINE_EXCEEDED,
                                 "deadline passed before the request was read")
         try:
             payload = protocol.decode(request.payload, request.content_type)
-            streamed = self.model.generative and self.model.answers_on_stream(payload)
-            if protocol.misdirected(request, streamed, self.rules):
-                raise InvalidInput(self.rules.misdirected_message(streamed),
-                                   field="reply_to")
-            item = self.model.prepare(payload, len(request.payload))
-        except InvalidInput as exc:
-            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc),
-                                **exc.details)
         except ValueError as exc:  # an undecodable payload
             return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc))
-        except Exception as exc:
-            log.exception("model.prepare_failed", request_id=request.id)
+        streamed = self.model.generative and self.model.answers_on_stream(payload)
+        if protocol.misdirected(request, streamed, self.rules):
+            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST,
+                                self.rules.misdirected_message(streamed), field="reply_to")
+        return payload
+
+    def _pending(self, entry_id: str, request: Request, item: Prepared | Exception,
+                 now: float) -> Pending | Answer:
+        """The request queued with its model item, or its error answer."""
+        if isinstance(item, InvalidInput):
+            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(item),
+                                **item.details)
+        if isinstance(item, ValueError):
+            return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(item))
+        if isinstance(item, Exception):
+            log.error("model.prepare_failed", request_id=request.id, exc_info=item)
             return error_answer(entry_id, request, ErrorCode.MODEL_ERROR,
-                                f"preprocessing failed: {type(exc).__name__}: {exc}")
+                                f"preprocessing failed: {type(item).__name__}: {item}")
         return Pending(entry_id, request, item, now)
 
 

@@ -22,6 +22,7 @@ from producer import protocol
 from producer.protocol import ErrorCode
 from worker.observe import metrics
 from worker.pipeline.answers import Answer, AnswerQueue
+from worker.pipeline.encoding import encode_envelope
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import RedisRetry, ShutdownExpired
 from worker.policy.flow import end_to_end_s
@@ -162,7 +163,7 @@ def encode(answer: Answer) -> Reply:
     """The envelope in the request's content type; an unserialisable result becomes an
     `internal` error, so the reply thread lives on and the request is still answered."""
     try:
-        data = protocol.encode(answer.envelope, answer.content_type)
+        data = encode_envelope(answer.envelope, answer.content_type)
     except Exception as exc:
         log.error("reply.unserialisable", request_id=answer.envelope["id"], error=str(exc))
         answer.envelope = protocol.error_envelope(

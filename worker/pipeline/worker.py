@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from worker.execution.executor import dtype_name
 from worker.execution.generation import GenerationEngine
 from worker.execution.runner import BatchRunner
 from worker.models.base import Model
@@ -140,6 +141,7 @@ class Worker:
         log.info("worker.serving", stream=self.reader.stream, group=self.settings.group,
                  consumer=self.settings.consumer, buckets=self.batcher.boundaries,
                  instances=len(self.runners), threads=self.layout.threads,
+                 dtype=dtype_name(self.model.dtype),
                  layout=self.layout.reason, latency_target_ms=self.settings.latency_target_ms,
                  batch_controller=self.settings.batch_controller)
         try:

@@ -28,6 +28,7 @@ class ConsumerStats:
     idle_ms: int
     layout: str | None = None  # "2 instance(s) x 1 thread(s)", as the worker announced it
     latency: dict[str, float] | None = None  # target_ms, observed_ms, percentile, margin_ms
+    dtype: str | None = None  # what the model computes in, as the worker announced it
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +149,11 @@ def announcement(text: bytes | str) -> dict[str, Any]:
 
 def consumer_stats(info: dict[str, Any], announced: dict[str, Any]) -> ConsumerStats:
     layout, latency = announced.get("layout"), announced.get("latency")
+    dtype = announced.get("dtype")
     return ConsumerStats(as_text(info["name"]), info["pending"], info["idle"],
                          layout if isinstance(layout, str) else None,
-                         latency if isinstance(latency, dict) else None)
+                         latency if isinstance(latency, dict) else None,
+                         dtype if isinstance(dtype, str) else None)
 
 
 def _groups(client: redis.Redis, stream: str) -> list[dict[str, Any]]:
