@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,16 @@ from bench.gen_workload import GenRequest
 from bench.load import open_loop_at, poisson_offsets
 from producer import protocol
 
-REPLY_KEY = "bench:generative:replies"
+
+def _reply_key() -> str:
+    """A reply key per run: its ids (g<index>) are new on it, never a duplicate_id."""
+    return f"redbatch:reply:bench-generative:{uuid.uuid4().hex[:12]}"
 
 
-def _send(client: redis.Redis, stream: str, index: int, request: GenRequest) -> None:
+def _send(client: redis.Redis, stream: str, index: int, request: GenRequest,
+          reply_key: str) -> None:
     client.xadd(stream, protocol.entry_fields(  # type: ignore[arg-type]
-        f"g{index}", msgpack.packb(request.payload), reply_to=REPLY_KEY))
+        f"g{index}", msgpack.packb(request.payload), reply_to=reply_key))
 
 
 def _result(raw: bytes | dict[str, Any]) -> dict[str, Any]:
@@ -39,11 +44,11 @@ def _result(raw: bytes | dict[str, Any]) -> dict[str, Any]:
     return envelope
 
 
-def _pop(client: redis.Redis, timeout_s: float) -> dict[str, Any]:
+def _pop(client: redis.Redis, timeout_s: float, reply_key: str) -> dict[str, Any]:
     """The next reply, polling in 1 s BLPOPs (redis-py's default socket timeout is 5 s)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        popped: Any = client.blpop([REPLY_KEY], timeout=1)
+        popped: Any = client.blpop([reply_key], timeout=1)
         if popped is not None:
             return _result(popped[1])
     raise TimeoutError(f"no generation came back within {timeout_s:.0f} s")
@@ -52,20 +57,19 @@ def _pop(client: redis.Redis, timeout_s: float) -> dict[str, Any]:
 def closed_loop(url: str, stream: str, requests: Sequence[GenRequest], concurrency: int,
                 timeout_s: float = 600.0) -> Run:
     """Keep `concurrency` requests in flight until every one is answered."""
-    client = redis.Redis.from_url(url)
-    client.delete(REPLY_KEY)
+    client, reply_key = redis.Redis.from_url(url), _reply_key()
     started = time.perf_counter()
     sent = min(concurrency, len(requests))
     for index in range(sent):
-        _send(client, stream, index, requests[index])
+        _send(client, stream, index, requests[index], reply_key)
     outputs: dict[int, list[int]] = {}
     tokens = 0
     while len(outputs) < len(requests):
-        envelope = _pop(client, timeout_s)
+        envelope = _pop(client, timeout_s, reply_key)
         outputs[int(envelope["id"][1:])] = []
         tokens += int(envelope["result"]["tokens"])
         if sent < len(requests):
-            _send(client, stream, sent, requests[sent])
+            _send(client, stream, sent, requests[sent], reply_key)
             sent += 1
     seconds = time.perf_counter() - started
     client.close()
@@ -74,12 +78,11 @@ def closed_loop(url: str, stream: str, requests: Sequence[GenRequest], concurren
 
 def ttft_unloaded(url: str, stream: str, requests: Sequence[GenRequest]) -> list[float]:
     """TTFT (ms) of each request sent alone, one after another."""
-    client = redis.Redis.from_url(url)
-    client.delete(REPLY_KEY)
+    client, reply_key = redis.Redis.from_url(url), _reply_key()
     values = []
     for index, request in enumerate(requests):
-        _send(client, stream, index, request)
-        values.append(float(_pop(client, 600)["meta"]["ttft_ms"]))
+        _send(client, stream, index, request, reply_key)
+        values.append(float(_pop(client, 600, reply_key)["meta"]["ttft_ms"]))
     client.close()
     return values
 

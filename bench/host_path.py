@@ -81,7 +81,7 @@ def serving(url: str, name: str, model: Model, instances: int) -> Iterator[None]
 
 def one_round(client: redis.Redis, name: str, data: Sequence[bytes]) -> float:
     """Submit every payload, wait for every reply: texts per second."""
-    reply_to = f"bench:host:{name}:{time.monotonic_ns()}"
+    reply_to = f"redbatch:reply:bench-host:{name}:{time.monotonic_ns()}"
     stream = protocol.stream_key(protocol.DEFAULT_NAMESPACE, name)
     started = time.perf_counter()
     pipe = client.pipeline(transaction=False)

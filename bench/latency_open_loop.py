@@ -97,7 +97,8 @@ def open_loop_ids(url: str, stream: str, payloads: Sequence[bytes],
     """Send at the given offsets regardless of replies, so the receiver lags little. The
     bench process collects no garbage meanwhile: a collection once stalled the sender ~100
     ms, then it sent the lost arrivals in a burst (right at G1's step up, in every run)."""
-    reply_to = f"{stream}:bench-open-loop:{uuid.uuid4().hex[:12]}"  # no earlier run's replies
+    # a key of its own: no earlier run's replies, and its ids are new on it
+    reply_to = f"redbatch:reply:{stream}:bench-open-loop:{uuid.uuid4().hex[:12]}"
     receiver = redis.Redis.from_url(url)
     receiver.delete(reply_to)
     sender = Sender(url, stream, payloads, offsets, reply_to)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,7 @@ def drain(client: redis.Redis, stream: str, payloads: Sequence[bytes],
     The entries are staged under another key and RENAMEd onto the stream in one step, so
     the clock starts with the whole corpus queued and the workers already waiting on it.
     """
-    reply_to = f"{stream}:bench-replies"
+    reply_to = f"redbatch:reply:{stream}:bench-replies:{uuid.uuid4().hex[:12]}"  # ids new on it
     staging = f"{stream}:staging"
     client.delete(reply_to)
     stage(client, staging, payloads, reply_to)
@@ -102,7 +103,7 @@ def open_loop_at(url: str, stream: str, payloads: Sequence[bytes], offsets: Sequ
                  timeout_s: float = 120.0) -> list[Timed]:
     """Send at the given offsets (seconds from now) regardless of replies; time each reply."""
     duration_s = offsets[-1] if offsets else 0.0
-    reply_to = f"{stream}:bench-open-loop"
+    reply_to = f"redbatch:reply:{stream}:bench-open-loop:{uuid.uuid4().hex[:12]}"
     sent: dict[str, float] = {}
     timed: list[Timed] = []
     sender_client, receiver = redis.Redis.from_url(url), redis.Redis.from_url(url)
@@ -150,7 +151,7 @@ def redis_floor(client: redis.Redis, stream: str, payloads: Sequence[bytes], rep
                 read_count: int, ttl_ms: int = 3_600_000) -> Floor:
     """The same commands per request as a worker — XADD, XREADGROUP, LPUSH + PEXPIRE + XACK in
     the worker's own Lua script — from a bare loop using the worker's own reader and replier."""
-    reply_to = f"{stream}:bench-floor"
+    reply_to = f"redbatch:reply:{stream}:bench-floor"
     client.delete(reply_to, stream)
     client.config_resetstat()
     xadd_rate = stage(client, stream, payloads, reply_to)
