@@ -6,8 +6,12 @@ a forward writes only its new tokens' keys and values. A step runs:
 - each prefill chunk alone (a batch of one: the chunk on top of its cache so far), so a long
   prompt never pads its batch-mates;
 - every decoding sequence together in one forward: one new token per row, each row
-  attending to its own tokens (gathered from the pool, right-padded, a 4-D mask hiding the
-  padding) at explicit `position_ids` (its own length), whatever the other rows' lengths.
+  attending to its own tokens (read from the pool, no padding) at explicit `position_ids`
+  (its own length), whatever the other rows' lengths.
+
+The model's attention is the engine's own (execution/paged_attention.py, registered through
+transformers' AttentionInterface): the forward carries the step's StepLayout as a keyword
+argument and keeps no cache of its own (`use_cache=False`).
 
 Preempted and finished sequences give their blocks back; a preempted one's next prefill
 recomputes its cache from its tokens. Torch only: no Redis, no threads (the generate loop,
@@ -22,7 +26,8 @@ from typing import Any
 
 import torch
 
-from worker.execution.kv_pool import KVPool, StepLayout, step_cache
+from worker.execution.kv_pool import KVPool, StepLayout
+from worker.execution.paged_attention import STEP_KWARG, use_paged_attention
 from worker.execution.sampling import Delta, SamplingParams, TextState, choose_token
 from worker.policy.decoding import StepPlan, Work
 
@@ -82,6 +87,7 @@ class GenerationEngine:
         self.seqs: dict[str, EngineSeq] = {}
         self.pool = KVPool(*kv_shape(lm.config), tokens=kv_tokens, dtype=lm.dtype,
                            device=device)
+        use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
             entropy: int = 0) -> None:
@@ -159,9 +165,8 @@ class GenerationEngine:
         for row, (seq, work) in enumerate(zip(seqs, works, strict=True)):
             ids[row, layout.queries - work.tokens:] = torch.tensor(
                 seq.tokens(work.start, work.end))
-        out = self.lm(input_ids=ids.to(self.device), cache=step_cache(self.pool, layout),
-                      use_cache=True, attention_mask=layout.mask(self.lm.dtype),
-                      position_ids=layout.positions, logits_to_keep=1)
+        out = self.lm(input_ids=ids.to(self.device), use_cache=False,
+                      position_ids=layout.positions, logits_to_keep=1, **{STEP_KWARG: layout})
         for seq, work in zip(seqs, works, strict=True):
             seq.cached = work.end
         return out.logits[:, -1]
