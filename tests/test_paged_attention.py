@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tests.tiny_lm import build_tiny_lm
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool, StepLayout
-from worker.execution.paged_attention import NAME, STEP_KWARG, paged_attention
+from worker.execution.paged_attention import NAME, paged_attention, stepping
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CPU = torch.device("cpu")
@@ -72,8 +72,9 @@ def check_random_layout(rng: random.Random, heads: int, window: int | None) -> N
         new_k[row, :, queries - (end - start):] = full_k[row][:, start:]
         new_v[row, :, queries - (end - start):] = full_v[row][:, start:]
     module = SimpleNamespace(layer_idx=layer)
-    out, _ = paged_attention(module, q, new_k, new_v, None, sliding_window=window,
-                             **{STEP_KWARG: layout})
+    with stepping(layout):
+        out, _ = paged_attention(module, q, new_k, new_v, None, sliding_window=window)
+    assert layout.attended == 1
     for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
         first = queries - (end - start)
         expected = dense_reference(q[row, :, first:], full_k[row], full_v[row], start, window)

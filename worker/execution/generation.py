@@ -10,8 +10,8 @@ a forward writes only its new tokens' keys and values. A step runs:
   (its own length), whatever the other rows' lengths.
 
 The model's attention is the engine's own (execution/paged_attention.py, registered through
-transformers' AttentionInterface): the forward carries the step's StepLayout as a keyword
-argument and keeps no cache of its own (`use_cache=False`).
+transformers' AttentionInterface): the step's StepLayout is set for the duration of the
+forward (`stepping`), which keeps no cache of its own (`use_cache=False`).
 
 Preempted and finished sequences give their blocks back; a preempted one's next prefill
 recomputes its cache from its tokens. Torch only: no Redis, no threads (the generate loop,
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from worker.execution.kv_pool import KVPool, StepLayout
-from worker.execution.paged_attention import STEP_KWARG, use_paged_attention
+from worker.execution.paged_attention import stepping, use_paged_attention
 from worker.execution.sampling import Delta, SamplingParams, TextState, choose_token
 from worker.policy.decoding import StepPlan, Work
 
@@ -165,8 +165,12 @@ class GenerationEngine:
         for row, (seq, work) in enumerate(zip(seqs, works, strict=True)):
             ids[row, layout.queries - work.tokens:] = torch.tensor(
                 seq.tokens(work.start, work.end))
-        out = self.lm(input_ids=ids.to(self.device), use_cache=False,
-                      position_ids=layout.positions, logits_to_keep=1, **{STEP_KWARG: layout})
+        with stepping(layout):
+            out = self.lm(input_ids=ids.to(self.device), use_cache=False,
+                          position_ids=layout.positions, logits_to_keep=1)
+        if layout.attended != len(self.pool.keys):  # a layer bypassed the pool: wrong tokens
+            raise RuntimeError(f"{layout.attended} of {len(self.pool.keys)} layers ran the "
+                               "engine's paged attention")
         for seq, work in zip(seqs, works, strict=True):
             seq.cached = work.end
         return out.logits[:, -1]

@@ -85,6 +85,7 @@ class StepLayout:
         self.starts, self.ends = list(starts), list(ends)
         queries = max(e - s for s, e in zip(starts, ends, strict=True))
         self.rows, self.queries, self.length = len(ends), queries, max(ends)
+        self.attended = 0  # layers whose attention used this layout (paged_attention.py)
         write = torch.full((len(ends), queries), TRASH_SLOT, dtype=torch.long)
         slots = [pool.slots(t, e) for t, e in zip(tables, ends, strict=True)]
         for row, (start, end) in enumerate(zip(starts, ends, strict=True)):

@@ -7,12 +7,16 @@ Why: transformers' cache classes (the `Cache` a forward takes, its layers' abstr
 the name of the forward's cache argument) changed several times within 5.x, and a cache the
 model does not recognise is silently dropped. The attention interface has been stable since
 5.0: every model that uses it calls `fn(module, query, key, value, attention_mask, **kwargs)`
-with the forward's extra keyword arguments. The engine passes its StepLayout as the forward
-kwarg STEP_KWARG (`redbatch_step`) with `use_cache=False`, so the model keeps no cache, and
-`module.layer_idx` says which layer of the pool to use.
+for each layer, and `module.layer_idx` says which layer of the pool to use.
 
-Without that kwarg (e.g. `generate()` on the same model) the call goes to transformers' own
-`sdpa`, and the mask the model builds is sdpa's: the model behaves as before.
+The step's layout does not travel as a forward keyword argument: some 5.x models drop
+unknown forward kwargs before they reach the layers (GPT-2's LM head in 5.0 does). The
+engine sets it for the duration of its forward (`stepping(layout)`, a context variable, so
+threads never see each other's), with `use_cache=False` so the model keeps no cache; each
+layer that attends counts itself on the layout, and the engine checks that all of them did.
+
+Outside the engine's forward (e.g. `generate()` on the same model) the call goes to
+transformers' own `sdpa`, and the mask the model builds is sdpa's: it behaves as before.
 
 Each row is its own SDPA call over a view of one unpadded gather of the step's rows, so no
 row is padded to the longest one; a prefill chunk on top of a cache gets an explicit
@@ -21,6 +25,9 @@ causal mask (its first query sits at position `start`, not 0).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -29,7 +36,17 @@ import torch.nn.functional as F
 from worker.execution.kv_pool import StepLayout
 
 NAME = "redbatch_paged"
-STEP_KWARG = "redbatch_step"
+_STEP: ContextVar[StepLayout | None] = ContextVar("redbatch_step", default=None)
+
+
+@contextmanager
+def stepping(layout: StepLayout) -> Iterator[StepLayout]:
+    """The layout every paged attention call in this context (one forward) uses."""
+    token = _STEP.set(layout)
+    try:
+        yield layout
+    finally:
+        _STEP.reset(token)
 
 
 def register() -> None:
@@ -56,7 +73,7 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
                     dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [rows, heads, queries, dim], key and value [rows, kv_heads, queries, dim]: the
     step's new tokens. Returns [rows, queries, heads, dim] (padded queries get zeros)."""
-    layout: StepLayout | None = kwargs.pop(STEP_KWARG, None)
+    layout = _STEP.get()
     if layout is None:
         from transformers import AttentionInterface
 
@@ -66,6 +83,7 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("paged attention has no logit soft-capping or sinks")
     layer = module.layer_idx
+    layout.attended += 1
     keys = _put_and_gather(layout.pool.keys[layer], key, layout)
     values = _put_and_gather(layout.pool.values[layer], value, layout)
     window = kwargs.get("sliding_window")
