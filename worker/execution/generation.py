@@ -28,7 +28,13 @@ import torch
 
 from worker.execution.kv_pool import KVPool, StepLayout
 from worker.execution.paged_attention import stepping, use_paged_attention
-from worker.execution.sampling import Delta, SamplingParams, TextState, choose_token
+from worker.execution.sampling import (
+    Delta,
+    SamplingParams,
+    TextState,
+    choose_token,
+    choose_tokens,
+)
 from worker.policy.decoding import StepPlan, Work
 
 DEFAULT_KV_TOKENS = 16384  # an engine built without a budget (tests, tools)
@@ -128,14 +134,26 @@ class GenerationEngine:
                 if on_prefilled is not None:
                     on_prefilled(output.deltas[-1])
         if decode:
-            for seq_id, row in self._decode(decode).items():
-                output.deltas.append(self._sample(self.seqs[seq_id], row))
+            rows = self._decode(decode)
+            output.deltas += self._sample_rows([self.seqs[i] for i in rows],
+                                               torch.stack(list(rows.values())))
         return output
 
     def _sample(self, seq: EngineSeq, logits: torch.Tensor) -> Delta:
         state = seq.text
         token = choose_token(logits, state.params, len(state.generated), seq.generator)
-        delta = state.append(seq.id, token, self.decode)
+        return self._append(seq, token)
+
+    def _sample_rows(self, seqs: Sequence[EngineSeq], logits: torch.Tensor) -> list[Delta]:
+        """One token for each row of a decode forward, chosen together (one argmax, one
+        copy of the chosen tokens to the host)."""
+        tokens = choose_tokens(logits, [s.text.params for s in seqs],
+                               [len(s.text.generated) for s in seqs],
+                               [s.generator for s in seqs])
+        return [self._append(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
+
+    def _append(self, seq: EngineSeq, token: int) -> Delta:
+        delta = seq.text.append(seq.id, token, self.decode)
         if delta.finish_reason:
             self._forget(seq)  # its blocks are free for the next step
         return delta
