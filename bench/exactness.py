@@ -143,9 +143,14 @@ def difference(model: Any, request: Request, ref: Reference, served: Served,
     batched = noted.top - noted.expected if noted.expected is not None else None
     return Difference(request.id, request.kind, len(request.prompt_ids),
                       request.max_new_tokens, step, mine, theirs,
-                      model.decode([mine]), model.decode([theirs]), margin, exact, batched,
+                      token_text(model, mine), token_text(model, theirs), margin, exact, batched,
                       noted.path, noted.width, noted.preempted,
                       served.chunks.get(request.id, 0), served.preemptions.get(request.id, 0))
+
+
+def token_text(model: Any, token: int) -> str:
+    """One token's text, through the model's tokenizer (special tokens shown as such)."""
+    return str(model.tokenizer.decode([token]))
 
 
 def noise(refs: Mapping[str, Reference], served: Served) -> dict[str, Any]:

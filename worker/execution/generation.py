@@ -6,8 +6,12 @@ a forward writes only its new tokens' keys and values. A step runs:
 - each prefill chunk alone (a batch of one: the chunk on top of its cache so far), so a long
   prompt never pads its batch-mates;
 - every decoding sequence together in one forward: one new token per row, each row
-  attending to its own tokens (gathered from the pool, right-padded, a 4-D mask hiding the
-  padding) at explicit `position_ids` (its own length), whatever the other rows' lengths.
+  attending to its own tokens (read from the pool, no padding) at explicit `position_ids`
+  (its own length), whatever the other rows' lengths.
+
+The model's attention is the engine's own (execution/paged_attention.py, registered through
+transformers' AttentionInterface): the step's StepLayout is set for the duration of the
+forward (`stepping`), which keeps no cache of its own (`use_cache=False`).
 
 Preempted and finished sequences give their blocks back; a preempted one's next prefill
 recomputes its cache from its tokens. Torch only: no Redis, no threads (the generate loop,
@@ -22,8 +26,15 @@ from typing import Any
 
 import torch
 
-from worker.execution.kv_pool import KVPool, StepLayout, step_cache
-from worker.execution.sampling import Delta, SamplingParams, TextState, choose_token
+from worker.execution.kv_pool import KVPool, StepLayout
+from worker.execution.paged_attention import stepping, use_paged_attention
+from worker.execution.sampling import (
+    Delta,
+    SamplingParams,
+    TextState,
+    choose_token,
+    choose_tokens,
+)
 from worker.policy.decoding import StepPlan, Work
 
 DEFAULT_KV_TOKENS = 16384  # an engine built without a budget (tests, tools)
@@ -82,6 +93,7 @@ class GenerationEngine:
         self.seqs: dict[str, EngineSeq] = {}
         self.pool = KVPool(*kv_shape(lm.config), tokens=kv_tokens, dtype=lm.dtype,
                            device=device)
+        use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
             entropy: int = 0) -> None:
@@ -122,14 +134,26 @@ class GenerationEngine:
                 if on_prefilled is not None:
                     on_prefilled(output.deltas[-1])
         if decode:
-            for seq_id, row in self._decode(decode).items():
-                output.deltas.append(self._sample(self.seqs[seq_id], row))
+            rows = self._decode(decode)
+            output.deltas += self._sample_rows([self.seqs[i] for i in rows],
+                                               torch.stack(list(rows.values())))
         return output
 
     def _sample(self, seq: EngineSeq, logits: torch.Tensor) -> Delta:
         state = seq.text
         token = choose_token(logits, state.params, len(state.generated), seq.generator)
-        delta = state.append(seq.id, token, self.decode)
+        return self._append(seq, token)
+
+    def _sample_rows(self, seqs: Sequence[EngineSeq], logits: torch.Tensor) -> list[Delta]:
+        """One token for each row of a decode forward, chosen together (one argmax, one
+        copy of the chosen tokens to the host)."""
+        tokens = choose_tokens(logits, [s.text.params for s in seqs],
+                               [len(s.text.generated) for s in seqs],
+                               [s.generator for s in seqs])
+        return [self._append(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
+
+    def _append(self, seq: EngineSeq, token: int) -> Delta:
+        delta = seq.text.append(seq.id, token, self.decode)
         if delta.finish_reason:
             self._forget(seq)  # its blocks are free for the next step
         return delta
@@ -159,9 +183,12 @@ class GenerationEngine:
         for row, (seq, work) in enumerate(zip(seqs, works, strict=True)):
             ids[row, layout.queries - work.tokens:] = torch.tensor(
                 seq.tokens(work.start, work.end))
-        out = self.lm(input_ids=ids.to(self.device), cache=step_cache(self.pool, layout),
-                      use_cache=True, attention_mask=layout.mask(self.lm.dtype),
-                      position_ids=layout.positions, logits_to_keep=1)
+        with stepping(layout):
+            out = self.lm(input_ids=ids.to(self.device), use_cache=False,
+                          position_ids=layout.positions, logits_to_keep=1)
+        if layout.attended != len(self.pool.keys):  # a layer bypassed the pool: wrong tokens
+            raise RuntimeError(f"{layout.attended} of {len(self.pool.keys)} layers ran the "
+                               "engine's paged attention")
         for seq, work in zip(seqs, works, strict=True):
             seq.cached = work.end
         return out.logits[:, -1]

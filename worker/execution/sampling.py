@@ -37,7 +37,26 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, index: int,
     """The next token from one row of logits (vocab,)."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    scores = logits.double().cpu()  # float64: a temperature of 1e-300 is not rounded to 0
+    return _draw(logits.cpu(), params, index, own)
+
+
+def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  indices: Sequence[int], own: Sequence[torch.Generator | None]) -> list[int]:
+    """The next token of each row of logits (rows, vocab), as choose_token would choose it,
+    with one argmax for every row and one device-to-host copy (two if a row samples)."""
+    tokens: list[int] = torch.argmax(logits, dim=-1).tolist()  # why: one copy, not one a row
+    drawn = [row for row, p in enumerate(params) if p.temperature != 0]
+    if drawn:
+        host = logits.cpu()  # the draws run on the host, in float64, as choose_token's do
+        for row in drawn:
+            tokens[row] = _draw(host[row], params[row], indices[row], own[row])
+    return tokens
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, index: int,
+          own: torch.Generator | None) -> int:
+    """A draw from one row of host logits under temperature, top-k and top-p."""
+    scores = logits.double()  # float64: a temperature of 1e-300 is not rounded to 0
     # Shifted so the best score is 0 before the division: softmax is unchanged, and however
     # small the temperature, no score overflows to inf (inf - inf would be NaN).
     scores = (scores - scores.max()) / params.temperature

@@ -1,0 +1,128 @@
+"""The engine's own attention function, registered through transformers' public attention
+interface (`AttentionInterface.register`, `model.set_attn_implementation`): it writes each
+layer's new keys and values into the paged pool (execution/kv_pool.py) and attends, row by
+row, over each row's whole history read from the pool's blocks.
+
+Why: transformers' cache classes (the `Cache` a forward takes, its layers' abstract methods,
+the name of the forward's cache argument) changed several times within 5.x, and a cache the
+model does not recognise is silently dropped. The attention interface has been stable since
+5.0: every model that uses it calls `fn(module, query, key, value, attention_mask, **kwargs)`
+for each layer, and `module.layer_idx` says which layer of the pool to use.
+
+The step's layout does not travel as a forward keyword argument: some 5.x models drop
+unknown forward kwargs before they reach the layers (GPT-2's LM head in 5.0 does). The
+engine sets it for the duration of its forward (`stepping(layout)`, a context variable, so
+threads never see each other's), with `use_cache=False` so the model keeps no cache; each
+layer that attends counts itself on the layout, and the engine checks that all of them did.
+
+Outside the engine's forward (e.g. `generate()` on the same model) the call goes to
+transformers' own `sdpa`, and the mask the model builds is sdpa's: it behaves as before.
+
+Each row is its own SDPA call over a view of one unpadded gather of the step's rows, so no
+row is padded to the longest one; a prefill chunk on top of a cache gets an explicit
+causal mask (its first query sits at position `start`, not 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.execution.kv_pool import StepLayout
+
+NAME = "redbatch_paged"
+_STEP: ContextVar[StepLayout | None] = ContextVar("redbatch_step", default=None)
+
+
+@contextmanager
+def stepping(layout: StepLayout) -> Iterator[StepLayout]:
+    """The layout every paged attention call in this context (one forward) uses."""
+    token = _STEP.set(layout)
+    try:
+        yield layout
+    finally:
+        _STEP.reset(token)
+
+
+def register() -> None:
+    """Register the function, and sdpa's mask builder under the same name (what
+    `generate()` on a converted model needs); idempotent."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, paged_attention)
+    AttentionMaskInterface.register(NAME, AttentionMaskInterface()["sdpa"])
+
+
+def use_paged_attention(lm: Any) -> None:
+    """Switch a loaded model to the engine's attention (a no-op if already switched)."""
+    register()
+    if lm.config._attn_implementation != NAME:
+        lm.set_attn_implementation(NAME)
+    if lm.config._attn_implementation != NAME:  # the model ignored it, with a warning
+        raise ValueError(f"{type(lm).__name__} does not route its attention through "
+                         "transformers' AttentionInterface: the engine cannot serve it")
+
+
+def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None,
+                    dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """query [rows, heads, queries, dim], key and value [rows, kv_heads, queries, dim]: the
+    step's new tokens. Returns [rows, queries, heads, dim] (padded queries get zeros)."""
+    layout = _STEP.get()
+    if layout is None:
+        from transformers import AttentionInterface
+
+        sdpa = AttentionInterface()["sdpa"]
+        return sdpa(module, query, key, value, attention_mask,  # type: ignore[no-any-return]
+                    scaling=scaling, dropout=dropout, **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("paged attention has no logit soft-capping or sinks")
+    layer = module.layer_idx
+    layout.attended += 1
+    keys = _put_and_gather(layout.pool.keys[layer], key, layout)
+    values = _put_and_gather(layout.pool.values[layer], value, layout)
+    window = kwargs.get("sliding_window")
+    out = query.new_zeros(layout.rows, layout.queries, query.shape[1], query.shape[3])
+    for row in range(layout.rows):
+        start, end, offset = layout.starts[row], layout.ends[row], layout.offsets[row]
+        first = layout.queries - (end - start)  # left padding
+        out[row, first:] = attend(query[row, :, first:], keys[offset:offset + end],
+                                  values[offset:offset + end], start, scaling, window)
+    return out, None
+
+
+def _put_and_gather(pool: torch.Tensor, new: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    """Write the new tokens into their slots, then read every row's history, unpadded:
+    [sum of ends, kv_heads, dim]."""
+    heads, dim = new.shape[1], new.shape[3]
+    pool.index_copy_(0, layout.write, new.transpose(1, 2).reshape(-1, heads, dim))
+    return pool.index_select(0, layout.history)
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+           scaling: float | None, window: int | None = None) -> torch.Tensor:
+    """One row: query [heads, n, dim] at positions [start, start + n), over keys and values
+    [start + n, kv_heads, dim] (positions 0..); returns [n, heads, dim]."""
+    heads, n, dim = query.shape
+    end = keys.shape[0]
+    first = max(0, end - window) if window and n == 1 else 0  # a window's oldest key
+    k, v = keys[first:].transpose(0, 1)[None], values[first:].transpose(0, 1)[None]
+    groups = heads // k.shape[1]
+    if n == 1:  # one query sees all of it: no mask; grouped heads ride as queries
+        q = query.reshape(1, k.shape[1], groups, dim)
+        return F.scaled_dot_product_attention(q, k, v, scale=scaling).reshape(1, heads, dim)
+    if groups > 1:  # as transformers' sdpa does: each KV head repeated for its group
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    mask = None
+    if start > 0 or window:
+        q_pos = torch.arange(start, end, device=query.device)[:, None]
+        k_pos = torch.arange(end, device=query.device)[None]
+        mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    out = F.scaled_dot_product_attention(query[None], k, v, attn_mask=mask,
+                                         is_causal=mask is None, scale=scaling)
+    return out[0].transpose(0, 1)
