@@ -9,7 +9,6 @@ import os
 import statistics
 import threading
 import time
-import uuid
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 import redis
 
 from bench.latency_goals import WINDOW_S, percentile
+from bench.load import bench_reply_key
 from bench.simulate import Phase
 from producer import protocol
 
@@ -97,8 +97,7 @@ def open_loop_ids(url: str, stream: str, payloads: Sequence[bytes],
     """Send at the given offsets regardless of replies, so the receiver lags little. The
     bench process collects no garbage meanwhile: a collection once stalled the sender ~100
     ms, then it sent the lost arrivals in a burst (right at G1's step up, in every run)."""
-    # a key of its own: no earlier run's replies, and its ids are new on it
-    reply_to = f"redbatch:reply:{stream}:bench-open-loop:{uuid.uuid4().hex[:12]}"
+    reply_to = bench_reply_key(stream, "bench-open-loop")  # no earlier run's replies
     receiver = redis.Redis.from_url(url)
     receiver.delete(reply_to)
     sender = Sender(url, stream, payloads, offsets, reply_to)

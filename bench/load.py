@@ -33,6 +33,13 @@ class Drained:
         return len(self.envelopes) / self.seconds
 
 
+def bench_reply_key(stream: str, what: str) -> str:
+    """A reply key of the stream's namespace (a worker answers only under <ns>:reply:), new
+    for each run, so the run's request ids are new on it (never a duplicate_id)."""
+    namespace, _, model = stream.rpartition(":requests:")
+    return protocol.reply_key(namespace, f"{model}:{what}:{uuid.uuid4().hex[:12]}")
+
+
 def stage(client: redis.Redis, key: str, payloads: Sequence[bytes], reply_to: str) -> float:
     """Write one entry per payload to `key` (with the workers' group); returns XADDs/s."""
     client.delete(key)
@@ -55,7 +62,7 @@ def drain(client: redis.Redis, stream: str, payloads: Sequence[bytes],
     The entries are staged under another key and RENAMEd onto the stream in one step, so
     the clock starts with the whole corpus queued and the workers already waiting on it.
     """
-    reply_to = f"redbatch:reply:{stream}:bench-replies:{uuid.uuid4().hex[:12]}"  # ids new on it
+    reply_to = bench_reply_key(stream, "bench-replies")
     staging = f"{stream}:staging"
     client.delete(reply_to)
     stage(client, staging, payloads, reply_to)
@@ -103,7 +110,7 @@ def open_loop_at(url: str, stream: str, payloads: Sequence[bytes], offsets: Sequ
                  timeout_s: float = 120.0) -> list[Timed]:
     """Send at the given offsets (seconds from now) regardless of replies; time each reply."""
     duration_s = offsets[-1] if offsets else 0.0
-    reply_to = f"redbatch:reply:{stream}:bench-open-loop:{uuid.uuid4().hex[:12]}"
+    reply_to = bench_reply_key(stream, "bench-open-loop")
     sent: dict[str, float] = {}
     timed: list[Timed] = []
     sender_client, receiver = redis.Redis.from_url(url), redis.Redis.from_url(url)
@@ -151,7 +158,7 @@ def redis_floor(client: redis.Redis, stream: str, payloads: Sequence[bytes], rep
                 read_count: int, ttl_ms: int = 3_600_000) -> Floor:
     """The same commands per request as a worker — XADD, XREADGROUP, LPUSH + PEXPIRE + XACK in
     the worker's own Lua script — from a bare loop using the worker's own reader and replier."""
-    reply_to = f"redbatch:reply:{stream}:bench-floor"
+    reply_to = bench_reply_key(stream, "bench-floor")
     client.delete(reply_to, stream)
     client.config_resetstat()
     xadd_rate = stage(client, stream, payloads, reply_to)
