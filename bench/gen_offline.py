@@ -18,7 +18,8 @@ Greedy everywhere, so all of them should generate the same tokens; `agreement` c
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -68,6 +69,18 @@ def run_engine(model: Any, requests: Sequence[GenRequest], cap: int,
     return Run(seconds, sum(map(len, outputs.values())), outputs)
 
 
+@contextmanager
+def plain_attention(lm: Any) -> Iterator[None]:
+    """transformers' own sdpa for a baseline: redbatch's engine switches the model to its
+    paged attention, which transformers' batching manager refuses."""
+    previous = lm.config._attn_implementation
+    lm.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        lm.set_attn_implementation(previous)
+
+
 def run_generate_batch(model: Any, requests: Sequence[GenRequest], cap: int) -> Run:
     """transformers' ContinuousBatchingManager on the same requests (greedy)."""
     from transformers import GenerationConfig
@@ -79,7 +92,7 @@ def run_generate_batch(model: Any, requests: Sequence[GenRequest], cap: int) -> 
     batching = ContinuousBatchingConfig(max_requests_per_batch=cap,
                                         max_batch_tokens=model.limits.max_step_tokens)
     outputs: dict[int, list[int]] = {}
-    with model.lm.continuous_batching_context_manager(
+    with plain_attention(model.lm), model.lm.continuous_batching_context_manager(
             generation_config=config, continuous_batching_config=batching,
             warmup=False) as manager:
         started = time.perf_counter()
