@@ -233,3 +233,32 @@ def test_the_gateway_drops_envelopes_of_other_ids(redis_url: str, r: redis.Redis
     collected, read = asyncio.run(run())
     assert list(collected) == ["a"]
     assert [(i, e["type"]) for i, e in read] == [("2-1", "delta"), ("3-1", "done")]
+
+
+def test_the_metrics_server_lets_a_silent_connection_go() -> None:
+    """Finding 13: each connection held a thread forever."""
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from worker.observe.endpoints import start_server
+
+    server = start_server("127.0.0.1", 0, CollectorRegistry(), lambda: {}, timeout_s=0.3)
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=5) as silent:
+            silent.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            started = time.monotonic()
+            assert silent.recv(1024) == b""  # closed by the server
+            assert time.monotonic() - started < 3
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("url", ["redis://h:6379/0?password=s3cret",
+                                 "redis://user:s3cret@h:6379/0",
+                                 "redis+sentinel://h:26379/m?sentinel_password=s3cret"])
+def test_every_password_form_is_masked(url: str) -> None:
+    """Finding 14: `?password=` was printed in the start-up error."""
+    from producer.connection import redacted
+
+    assert "s3cret" not in redacted(url) and "***" in redacted(url)
