@@ -119,6 +119,36 @@ def test_worker_service(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
     assert (ROOT / worker["build"] / "Dockerfile").is_file()
 
 
+def test_generative_worker_profile(compose: dict[str, Any],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--profile generative` adds a smollm2 worker, so the README's chat example
+    (`model="smollm2"`) has a worker behind the gateway; same image, same Redis, not
+    published, and the base services stay as they are (Redis unpublished, the gateway local)."""
+    from worker.models import BUILTIN
+
+    services = compose["services"]
+    generative = services["worker-smollm2"]
+    assert generative["profiles"] == ["generative"]
+    assert generative["image"] == services["worker"]["image"] == services["gateway"]["image"]
+    assert generative["build"] == services["worker"]["build"]
+    assert assert_python_module_command(generative["command"]) == ["run"]
+    env = env_of(generative["environment"])
+    assert_settings_env(env, monkeypatch)
+    assert env["REDBATCH_MODEL"] == "smollm2" and "smollm2" in BUILTIN
+    assert env["REDBATCH_REDIS_URL"] == env_of(services["worker"]["environment"])[
+        "REDBATCH_REDIS_URL"]
+    assert int(env["REDBATCH_METRICS_PORT"]) == METRICS_PORT
+    assert_scalable(generative)
+    assert generative["depends_on"]["redis"]["condition"] == "service_healthy"
+    url = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)",
+                    " ".join(generative["healthcheck"]["test"]))
+    assert url and int(url[1]) == METRICS_PORT and url[2] == "/readyz"
+    assert "ports" not in services["redis"], "Redis stays unpublished"
+    assert 'model="smollm2"' in (ROOT / "README.md").read_text()
+    for doc in ("README.md", "docs/deploy.md"):
+        assert "--profile generative up" in (ROOT / doc).read_text(), doc
+
+
 def test_demo_producer(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     producer = compose["services"]["producer"]
     args = assert_python_module_command(producer["command"])
@@ -326,23 +356,26 @@ def test_worker_scales(compose: dict[str, Any]) -> None:
 
 def test_every_service_has_its_profiles(compose: dict[str, Any]) -> None:
     """The default project is Redis, the worker, the demo producer and the gateway;
-    `--profile monitoring` adds Prometheus and Grafana; no other profile exists, and the one
-    there is is documented."""
+    `--profile monitoring` adds Prometheus and Grafana, `--profile generative` a smollm2 worker;
+    no other profile exists, and each is documented."""
     profiles = {name: service.get("profiles", []) for name, service in compose["services"].items()}
     assert profiles == {"redis": [], "worker": [], "producer": [], "gateway": [],
+                        "worker-smollm2": ["generative"],
                         "prometheus": ["monitoring"], "grafana": ["monitoring"]}
     header = (ROOT / "compose.yaml").read_text()
     for profile in {p for names in profiles.values() for p in names}:
         assert f"--profile {profile} up" in header, f"profile {profile} is not documented"
 
 
-@pytest.mark.parametrize("profiles", [set(), {"monitoring"}], ids=["default", "monitoring"])
+@pytest.mark.parametrize("profiles", [set(), {"monitoring"}, {"generative"}],
+                         ids=["default", "monitoring", "generative"])
 def test_profiles_resolve(compose: dict[str, Any], profiles: set[str]) -> None:
     """Every dependency of a started service is started too, and a `service_healthy` one has a
     healthcheck to become healthy by."""
     active = active_services(compose, profiles)
     expected = ({"redis", "worker", "producer", "gateway"}
-                | ({"prometheus", "grafana"} if profiles else set()))
+                | ({"prometheus", "grafana"} if "monitoring" in profiles else set())
+                | ({"worker-smollm2"} if "generative" in profiles else set()))
     assert active == expected
     services = compose["services"]
     for name in sorted(active):
@@ -1104,6 +1137,28 @@ def test_keda_variant_checker_rejects_broken_manifests(mode: str,
     for authentication in authentications.values():
         errors += trigger_authentication_errors(authentication)
     assert any(error.startswith(message) for error in errors), errors
+
+
+def project_version() -> str:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_manifest_images_are_the_documented_build() -> None:
+    """The Deployments run `redbatch:<pyproject's version>`, the tag docs/deploy.md builds (no
+    `latest`: nothing publishes one), the kustomization's `images:` entry names that image so
+    `kustomize edit set image` retargets both, and the KEDA prerequisite is stated."""
+    image = f"redbatch:{project_version()}"
+    containers = [c for file in ("worker-deployment.yaml", "gateway.yaml")
+                  for d in load_yaml_all(f"deploy/k8s/{file}") if d["kind"] == "Deployment"
+                  for c in d["spec"]["template"]["spec"]["containers"]]
+    assert containers and {c["image"] for c in containers} == {image}
+    [entry] = load_yaml("deploy/k8s/kustomization.yaml")["images"]
+    assert entry == {"name": "redbatch", "newTag": project_version()}
+    docs = (ROOT / "docs/deploy.md").read_text()
+    assert f"docker build -t {image} ." in docs and "docker push" in docs
+    assert "KEDA 2.x must be installed" in docs and "helm install keda kedacore/keda" in docs
 
 
 def test_kustomization_checker_rejects_broken_files() -> None:
