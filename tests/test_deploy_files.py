@@ -1351,6 +1351,35 @@ def test_helm_chart_wiring(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
         assert workers["spec"]["replicas"] == values.get("worker", {}).get("replicas", 1)
 
 
+@pytest.mark.parametrize("case", sorted(HELM_CASES))
+def test_helm_lint(case: str) -> None:
+    """`helm lint --strict` finds nothing above INFO (the only one: Chart.yaml has no icon)."""
+    import helm_python
+
+    report = helm_python.lint(str(CHART), copy.deepcopy(HELM_CASES[case]), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] > 1] == []
+
+
+def test_helm_values_schema() -> None:
+    """values.schema.json (Helm checks values against it before rendering) accepts values.yaml
+    and the worker's log formats, and Helm refuses a misspelt or ill-typed value with it."""
+    import helm_python
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    assert schema_errors(validator, load_yaml("deploy/helm/redbatch/values.yaml")) == []
+    log_format = Settings.model_fields["log_format"].metadata[0].pattern
+    formats = schema["properties"]["worker"]["properties"]["logFormat"]["enum"]
+    assert all(re.fullmatch(log_format, f) for f in formats)
+    assert set(re.findall(r"\w+", log_format)) == set(formats)
+    for values, message in [({"keda": {"enabled": "true"}}, "/keda/enabled"),
+                            ({"worker": {"replica": 2}}, "'replica' not allowed"),
+                            ({"keda": {"lagCount": "512"}}, "/keda/lagCount")]:
+        with pytest.raises(helm_python.HelmValuesError, match=re.escape(message)):
+            helm_render(values)
+
+
 def test_helm_created_secrets_hold_the_values() -> None:
     secrets = {d["metadata"]["name"]: d for d in helm_objects("created-secrets")
                if d["kind"] == "Secret"}
