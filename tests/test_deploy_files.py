@@ -141,7 +141,7 @@ def test_generative_worker_profile(compose: dict[str, Any],
     assert env["REDBATCH_MODEL"] == "smollm2" and "smollm2" in BUILTIN
     assert env["REDBATCH_REDIS_URL"] == env_of(services["worker"]["environment"])[
         "REDBATCH_REDIS_URL"]
-    assert int(env["REDBATCH_METRICS_PORT"]) == METRICS_PORT
+    assert env["REDBATCH_METRICS_PORT"] == str(METRICS_PORT)
     assert_scalable(generative)
     assert generative["depends_on"]["redis"]["condition"] == "service_healthy"
     url = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)",
@@ -1181,7 +1181,7 @@ def test_kustomization_checker_rejects_broken_files() -> None:
 # binding: no helm binary, no cluster), then held to the same checks as deploy/k8s/: every
 # object to Kubernetes' schemas, the ScaledObject field by field, and the settings to the code.
 CHART = ROOT / "deploy/helm/redbatch"
-HELM_CASES = {
+HELM_CASES: dict[str, dict[str, Any]] = {
     "default": {},
     "keda": {"keda": {"enabled": True}},
     "created-secrets": {"keda": {"enabled": True},
@@ -1373,9 +1373,11 @@ def test_helm_values_schema() -> None:
     formats = schema["properties"]["worker"]["properties"]["logFormat"]["enum"]
     assert all(re.fullmatch(log_format, f) for f in formats)
     assert set(re.findall(r"\w+", log_format)) == set(formats)
-    for values, message in [({"keda": {"enabled": "true"}}, "/keda/enabled"),
-                            ({"worker": {"replica": 2}}, "'replica' not allowed"),
-                            ({"keda": {"lagCount": "512"}}, "/keda/lagCount")]:
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"keda": {"enabled": "true"}}, "/keda/enabled"),
+        ({"worker": {"replica": 2}}, "'replica' not allowed"),
+        ({"keda": {"lagCount": "512"}}, "/keda/lagCount")]
+    for values, message in refused:
         with pytest.raises(helm_python.HelmValuesError, match=re.escape(message)):
             helm_render(values)
 
