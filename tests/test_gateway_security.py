@@ -287,14 +287,19 @@ def test_models_come_from_the_registry_without_scan(r: redis.Redis, worker_facto
 
 
 def test_a_wrong_typed_key_is_a_fixed_503(r: redis.Redis, gateway_factory: Any) -> None:  # noqa: F811
+    """A Redis error is a fixed 503; a squatted workers hash or registry reads as empty (so
+    one squatted key does not take every model's listing down), never as raw Redis text."""
     live_but_silent(r, "typed")
+    r.set("redbatch:requests:other", "not a stream")
     r.set("redbatch:workers:typed", "not a hash")
     with gateway_factory() as base_url:
-        embedded = embed(base_url, "typed")
+        failed = embed(base_url, "other")
+        squatted = embed(base_url, "typed")
         r.set("redbatch:models", "not a hash either")
         listed = httpx.get(f"{base_url}/v1/models")
-    assert_fixed_message(embedded)
-    assert_fixed_message(listed)
+    assert failed.status_code in (404, 503) and not any(leak in failed.text for leak in LEAKS)
+    assert squatted.status_code == 503 and not any(leak in squatted.text for leak in LEAKS)
+    assert listed.status_code == 200 and listed.json()["data"] == []
 
 
 def test_a_stopped_redis_is_a_fixed_503() -> None:
