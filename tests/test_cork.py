@@ -259,7 +259,7 @@ def test_a_cork_worker_refuses_what_it_cannot_serve_in_time(
         redis_url: str, r: redis.Redis, worker_factory: Callable[..., Any]) -> None:
     """18 ms per batch of 8 serves about 440 requests a second: of a burst of 300 those
     still queued near the 200 ms target are refused, each answered once, none left held."""
-    client, replies, count = Client(redis_url, "echo"), "cork-replies", 300
+    client, replies, count = Client(redis_url, "echo"), "redbatch:reply:cork-replies", 300
     with worker_factory(model_options={"delay_ms": 10, "per_item_ms": 1}, instances=1,
                         max_batch_size=8, batch_controller="cork",
                         controller_target_ms=200.0) as worker:

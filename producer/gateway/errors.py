@@ -27,6 +27,7 @@ WORKER_STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.INTERNAL: (500, "internal_error"),
     ErrorCode.DEAD_LETTER: (500, "dead_letter"),
     ErrorCode.OVERLOADED: (429, "overloaded"),  # shed at read time, with retry_after_ms
+    ErrorCode.DUPLICATE_ID: (409, "duplicate_id"),  # another request with its id is in flight
 }
 
 
