@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from producer import connection
-from producer.cli import run_requests
+from producer.batch import run_requests
 from producer.client import Client
 from worker.app import StartupError, redis_url
 from worker.settings import Settings, exported
