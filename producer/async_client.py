@@ -219,7 +219,7 @@ class AsyncClient(base._Base):
                     self.redis, self.token_stream(request_id, reply_to), reading,
                     base.block_slices(timeout)):
                 pass
-            self._streamed.discard(request_id)
+            self._streamed.pop(request_id, None)
             assert reading.done is not None
             return {**reading.done, "ok": bool(reading.done.get("ok"))}
         key = reply_to or self.reply_key(request_id)
@@ -243,7 +243,7 @@ class AsyncClient(base._Base):
                      ) -> AsyncIterator[str | Any]:
         """Client.stream for asyncio: the answer's text as it comes, then the result."""
         request_id = await self.submit(streaming.streamed_payload(payload), **options)
-        self._streamed.discard(request_id)
+        self._streamed.pop(request_id, None)
         reading = streaming.StreamReading(request_id)
         key = self.token_stream(request_id, options.get("reply_to"))
         async for text in streaming.read_stream_async(self.redis, key, reading,

@@ -217,7 +217,7 @@ class Client(ShardedSubmit, _Base):
             key = self.token_stream(request_id, reply_to)
             for _ in streaming.read_stream(self.redis, key, reading, block_slices(timeout)):
                 pass
-            self._streamed.discard(request_id)
+            self._streamed.pop(request_id, None)
             assert reading.done is not None
             return {**reading.done, "ok": bool(reading.done.get("ok"))}
         key = reply_to or self.reply_key(request_id)
@@ -245,7 +245,7 @@ class Client(ShardedSubmit, _Base):
         its final result (the `done` entry's, a dict); RequestFailed if it failed. Survives
         a broken connection (reads on from the last entry id)."""
         request_id = self.submit(streaming.streamed_payload(payload), **options)
-        self._streamed.discard(request_id)
+        self._streamed.pop(request_id, None)
         reading = streaming.StreamReading(request_id)
         key = self.token_stream(request_id, options.get("reply_to"))
         yield from streaming.read_stream(self.redis, key, reading, block_slices(timeout))

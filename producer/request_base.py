@@ -16,7 +16,7 @@ from producer.backlog import add_arguments, add_once_arguments
 from producer.errors import Overloaded
 from producer.models import ModelKind
 from producer.replicas import ReplicaCount
-from producer.sharded import Sharding
+from producer.sharded import REMEMBERED_REPLY_KEYS, Sharding
 
 
 class _Base(Sharding):
@@ -41,7 +41,9 @@ class _Base(Sharding):
         self.short_waits = 0  # writes a WAIT reported short of replicas (each resubmitted)
         self.foreign_envelopes = 0  # replies on our keys that answer no request of ours
         self.kind = ModelKind()  # whether the model is generative, from its announcements
-        self._streamed: set[str] = set()  # submitted ids whose answer is a token stream
+        # submitted ids whose answer is a token stream (the newest REMEMBERED_REPLY_KEYS: a
+        # caller that reads the stream itself, as the gateway does, never calls wait())
+        self._streamed: dict[str, None] = {}
 
     def _own(self, data: bytes, request_ids: Collection[str]) -> dict[str, Any] | None:
         """The envelope when it answers one of `request_ids`; else None, counted: any
@@ -122,7 +124,9 @@ class _Base(Sharding):
             if "stream" not in payload or payload["stream"] is None:
                 return {**payload, "stream": False}
             if payload["stream"]:
-                self._streamed.add(request_id)
+                self._streamed[request_id] = None
+                while len(self._streamed) > REMEMBERED_REPLY_KEYS:
+                    del self._streamed[next(iter(self._streamed))]
         return payload
 
     def token_stream(self, request_id: str, reply_to: str | None = None) -> str:

@@ -108,3 +108,34 @@ def test_models_lists_the_models_with_a_live_worker(
             await async_client.close()
 
     assert asyncio.run(listed()) == {"causal_lm"}
+
+
+def test_async_stream_reads_on_after_its_connection_is_killed(
+        redis_url: str, r: redis.Redis, lm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("producer.streaming.READ_COUNT", 1)
+
+    async def run() -> tuple[list[str], Any]:
+        client = AsyncClient(redis_url, "causal_lm")
+        try:
+            chunks = client.stream({**PROMPT, "max_new_tokens": 16}, timeout=30)
+            texts = [await anext(chunks)]
+            assert r.client_kill_filter(_id=await client.redis.client_id()) == 1
+            rest = [chunk async for chunk in chunks]
+            return texts + rest[:-1], rest[-1]
+        finally:
+            await client.close()
+
+    texts, final = asyncio.run(run())
+    assert "".join(texts) == final["text"] and final["tokens"] == 16
+
+
+def test_a_client_that_reads_streams_itself_keeps_few_ids(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway submits "stream": true and reads the stream itself: the ids the client
+    keeps for wait() stay bounded."""
+    monkeypatch.setattr("producer.request_base.REMEMBERED_REPLY_KEYS", 3)
+    client = Client(redis_url, "causal_lm")
+    client.kind.learn({"w": json.dumps({"generative": True})}, None)
+    for n in range(10):
+        client.submit({"prompt": str(n), "stream": True})
+    assert len(client._streamed) == 3
