@@ -105,7 +105,7 @@ class _Base(Sharding):
 
     def _fields(self, payload: Any, request_id: str, reply_to: str | None,
                 deadline_ms: int | None, priority: int) -> Any:
-        payload = self._answerable(payload, request_id)
+        payload = self._answerable(payload, request_id, reply_to)
         return protocol.entry_fields(
             request_id, protocol.encode(payload, self.content_type),
             content_type=self.content_type, reply_to=reply_to, deadline_ms=deadline_ms,
@@ -116,17 +116,20 @@ class _Base(Sharding):
         return protocol.reply_key(self.namespace, f"batch-{client_module.new_request_id()}")
 
 
-    def _answerable(self, payload: Any, request_id: str) -> Any:
-        """The payload with `"stream": false` for a generative model unless it says otherwise,
-        so its answer lands on the list reply key where wait() looks; an explicit
-        `"stream": true` is remembered, and wait() reads that request's token stream."""
-        if self.kind.generative and isinstance(payload, dict):
-            if "stream" not in payload or payload["stream"] is None:
-                return {**payload, "stream": False}
-            if payload["stream"]:
-                self._streamed[request_id] = None
-                while len(self._streamed) > REMEMBERED_REPLY_KEYS:
-                    del self._streamed[next(iter(self._streamed))]
+    def _answerable(self, payload: Any, request_id: str, reply_to: str | None) -> Any:
+        """The payload as sent to a generative model, so that its answer lands where wait()
+        looks: a list `reply_to` gets `"stream": false` unless the payload says otherwise;
+        a streamed answer (the protocol's default) is remembered, and wait() reads that
+        request's token stream to its end."""
+        if not (self.kind.generative and isinstance(payload, dict)) or \
+                payload.get("stream") is False:
+            return payload
+        streamed_to = protocol.token_stream_key(self.namespace, request_id, reply_to)
+        if not streamed_to.startswith(f"{self.namespace}:stream:"):  # a list reply key
+            return payload if payload.get("stream") else {**payload, "stream": False}
+        self._streamed[request_id] = None
+        while len(self._streamed) > REMEMBERED_REPLY_KEYS:
+            del self._streamed[next(iter(self._streamed))]
         return payload
 
     def token_stream(self, request_id: str, reply_to: str | None = None) -> str:

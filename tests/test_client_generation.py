@@ -139,3 +139,14 @@ def test_a_client_that_reads_streams_itself_keeps_few_ids(
     for n in range(10):
         client.submit({"prompt": str(n), "stream": True})
     assert len(client._streamed) == 3
+
+
+def test_a_shared_list_reply_key_gets_final_answers(redis_url: str, lm: Any) -> None:
+    """A generative request with a list reply_to is sent `"stream": false`: its answer lands
+    on the list, where collect() waits (not a WRONGTYPE stream write on a list)."""
+    client = Client(redis_url, "causal_lm")
+    reply_to = client.new_reply_key()
+    ids = client.submit_many([PROMPT, PROMPT], reply_to=reply_to)
+    envelopes = client.collect(reply_to, 2, timeout=30, ids=set(ids))
+    assert sorted(e["id"] for e in envelopes) == sorted(ids)
+    assert all(e["ok"] and e["result"]["tokens"] == 8 for e in envelopes)
