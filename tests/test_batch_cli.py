@@ -117,3 +117,12 @@ def test_help_mentions_serve() -> None:
     assert done.returncode == 0 and "python -m producer serve" in done.stdout
     assert "--wait-for-worker" in done.stdout and "--window" in done.stdout
     assert json.dumps  # (the module's JSON use is in results())
+
+
+def test_max_backlog_waits_for_room_instead_of_refusing(
+        redis_url: str, worker_factory: Callable[..., Any]) -> None:
+    with worker_factory(model="echo", model_options={"per_item_ms": 5}, max_wait_ms=5):
+        done = produce("--redis-url", redis_url, "--model", "echo", "--max-backlog", "3",
+                       "--window", "10", stdin="".join(f"{n}\n" for n in range(30)))
+    assert done.returncode == 0, done.stderr
+    assert [e["result"]["text"] for e in results(done.stdout)] == [str(n) for n in range(30)]
