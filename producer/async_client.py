@@ -10,14 +10,14 @@ clients (REMEMBERED_REPLY_KEYS is producer.sharded's, where it is used).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
 import producer.client as base
-from producer import connection, protocol
+from producer import connection, models, protocol, streaming
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, ShardCycle, published_shards
 from producer.embeddings import with_embedding
 from producer.errors import Overloaded, ResultTimeout, unwrap
@@ -167,6 +167,7 @@ class AsyncClient(base._Base):
                      reply_to: str | None = None, deadline_ms: int | None = None,
                      priority: int = 0) -> str:
         request_id = request_id or base.new_request_id()
+        await models.learn_kind_async(self.redis, self.kind, self.namespace, self.model)
         fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
         await self._discover()
         if self.cycle is not None:
@@ -174,15 +175,16 @@ class AsyncClient(base._Base):
         elif wanted := await self._wanted():
             await self._add_replicated([request_id], [fields], wanted)
         elif self.max_backlog is None:
-            await self.redis.xadd(self.stream, fields)
+            await self.redis.xadd(self.stream_key, fields)
         else:
-            self._accepted(await self._add_if_under(keys=[self.stream],
+            self._accepted(await self._add_if_under(keys=[self.stream_key],
                                                     args=self._add_arguments([fields])))
         return request_id
 
     async def submit_many(self, payloads: Sequence[Any], *, reply_to: str | None = None,
                           deadline_ms: int | None = None, priority: int = 0) -> list[str]:
         ids: list[str] = []
+        await models.learn_kind_async(self.redis, self.kind, self.namespace, self.model)
         await self._discover()
         if self.cycle is not None:
             for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority):
@@ -197,20 +199,29 @@ class AsyncClient(base._Base):
         if self.max_backlog is not None:
             for chunk_ids, args in self._limited_chunks(payloads, reply_to, deadline_ms,
                                                         priority):
-                self._accepted(await self._add_if_under(keys=[self.stream], args=args), ids)
+                self._accepted(await self._add_if_under(keys=[self.stream_key], args=args), ids)
                 ids += chunk_ids
             return ids
         for start in range(0, len(payloads), base.PIPELINE_CHUNK):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for payload in payloads[start:start + base.PIPELINE_CHUNK]:
                     ids.append(base.new_request_id())
-                    pipe.xadd(self.stream, self._fields(payload, ids[-1], reply_to,
+                    pipe.xadd(self.stream_key, self._fields(payload, ids[-1], reply_to,
                                                         deadline_ms, priority))
                 await pipe.execute()
         return ids
 
     async def wait(self, request_id: str, timeout: float = 30.0, reply_to: str | None = None,
                    as_numpy: bool | None = None) -> dict[str, Any]:
+        if request_id in self._streamed:  # sent with "stream": true: its done envelope
+            reading = streaming.StreamReading(request_id)
+            async for _ in streaming.read_stream_async(
+                    self.redis, self.token_stream(request_id, reply_to), reading,
+                    base.block_slices(timeout)):
+                pass
+            self._streamed.pop(request_id, None)
+            assert reading.done is not None
+            return {**reading.done, "ok": bool(reading.done.get("ok"))}
         key = reply_to or self.reply_key(request_id)
         for block_s in base.block_slices(timeout):
             popped: Any = await self.redis.blpop([key], timeout=block_s)
@@ -227,6 +238,25 @@ class AsyncClient(base._Base):
     async def infer(self, payload: Any, timeout: float = 30.0, as_numpy: bool | None = None,
                     **options: Any) -> Any:
         return await self.result(await self.submit(payload, **options), timeout, as_numpy)
+
+    async def stream(self, payload: Any, timeout: float = 60.0, **options: Any
+                     ) -> AsyncIterator[str | Any]:
+        """Client.stream for asyncio: the answer's text as it comes, then the result."""
+        request_id = await self.submit(streaming.streamed_payload(payload), **options)
+        self._streamed.pop(request_id, None)
+        reading = streaming.StreamReading(request_id)
+        key = self.token_stream(request_id, options.get("reply_to"))
+        async for text in streaming.read_stream_async(self.redis, key, reading,
+                                                      base.block_slices(timeout)):
+            yield text
+        self.foreign_envelopes += reading.foreign
+        self._forget(request_id)
+        yield reading.final()
+
+    async def models(self, idle_s: float = models.DEFAULT_IDLE_S
+                     ) -> dict[str, models.LiveModel]:
+        """Client.models for asyncio."""
+        return await models.live_models_async(self.redis, self.namespace, idle_s)
 
     async def close(self) -> None:
         for node in self._nodes.values():

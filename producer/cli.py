@@ -1,4 +1,14 @@
-"""`python -m producer`: JSONL (or plain text lines) in, results as JSONL in input order out."""
+"""`python -m producer`: JSONL (or plain text lines) in, results as JSONL in input order out.
+
+`python -m producer serve ...` runs the OpenAI-compatible HTTP gateway instead
+(`python -m producer serve --help`).
+
+Requests go through a sliding window (--window in flight at most), and each result is
+written as soon as it and those before it are in, with the input's `line` number; a JSON
+line's own `id` is its request id. Plain lines become {"prompt": line} for a generative
+model, {"text": line} otherwise. The model must have a live worker (--wait-for-worker to
+wait for one).
+"""
 
 from __future__ import annotations
 
@@ -7,82 +17,27 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TextIO
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import IO, Any, TextIO
 
 import redis
 from tqdm import tqdm
 
 from producer import protocol
-from producer.client import DEFAULT_URL, Client, Overloaded
+from producer.batch import BacklogFull, Item, RunSummary, Window, run_requests
+from producer.batch_input import InputError, check_input, open_input, read_lines, request_payload
+from producer.client import DEFAULT_URL, Client, Overloaded, new_request_id
 from producer.connection import ConnectionSettingsError, redacted
+from producer.models import LiveModel, live_models
 
-
-class InputError(Exception):
-    """A line of the input could not be read; the message names it."""
-
-
-def parse_lines(lines: Iterable[str]) -> list[Any]:
-    """JSON objects as they are; any other non-blank line becomes {"text": line}."""
-    payloads: list[Any] = []
-    for number, line in enumerate(lines, start=1):
-        text = line.rstrip("\r\n")
-        if not text.strip():
-            continue
-        if text.lstrip().startswith("{"):
-            try:
-                payloads.append(json.loads(text))
-            except json.JSONDecodeError as exc:
-                raise InputError(f"line {number}: invalid JSON ({exc.msg})") from None
-        else:
-            payloads.append({"text": text})
-    return payloads
-
-
-@dataclass
-class RunSummary:
-    envelopes: list[dict[str, Any]]  # in input order
-    seconds: float
-
-    @property
-    def failed(self) -> int:
-        return sum(1 for e in self.envelopes if not e["ok"])
-
-    @property
-    def throughput(self) -> float:
-        return len(self.envelopes) / self.seconds if self.seconds else 0.0
-
-    def describe(self) -> str:
-        return (f"{len(self.envelopes)} requests, {self.failed} failed, "
-                f"{self.seconds:.2f} s, {self.throughput:.1f} requests/s")
-
-
-def run_requests(client: Client, payloads: list[Any], timeout: float,
-                 progress: bool = True) -> RunSummary:
-    """Enqueue everything pipelined on one shared reply key, then wait for every reply."""
-    started = time.perf_counter()
-    reply_to = client.new_reply_key()
-    ids = client.submit_many(payloads, reply_to=reply_to)
-    with tqdm(total=len(ids), disable=not progress, unit="req", file=sys.stderr) as bar:
-        received = client.collect(reply_to, len(ids), timeout, on_reply=lambda _: bar.update(),
-                                  ids=set(ids))
-    seconds = time.perf_counter() - started
-    client.redis.delete(reply_to)
-    by_id = {envelope["id"]: envelope for envelope in received}
-    envelopes = [by_id.get(request_id) or protocol.error_envelope(
-        request_id, "timeout", f"no reply within {timeout} s") for request_id in ids]
-    return RunSummary(envelopes, seconds)
-
-
-def write_jsonl(envelopes: Iterable[dict[str, Any]], out: TextIO) -> None:
-    for envelope in envelopes:
-        out.write(json.dumps(envelope, ensure_ascii=False) + "\n")
+__all__ = ["InputError", "RunSummary", "main", "run_requests"]
+WORKER_POLL_S = 0.2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", nargs="?", default="-", help="file, or - for stdin (default)")
     parser.add_argument("-o", "--output", default="-", help="results file (default stdout)")
     parser.add_argument("--model", default=os.environ.get("REDBATCH_MODEL_NAME", "minilm"))
@@ -98,11 +53,82 @@ def build_parser() -> argparse.ArgumentParser:
                         "(idempotently) when short; -1: 1 where the master has one; 0: off"),
     parser.add_argument("--namespace", default=protocol.DEFAULT_NAMESPACE)
     parser.add_argument("--json", action="store_true", help="send JSON instead of msgpack")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for all replies")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds each request may wait for its reply once sent")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--window", type=int, default=1000,
+                        help="requests in flight at most (sent, result not yet written)")
     parser.add_argument("--max-backlog", type=int, default=None,
-                        help="refuse to enqueue when the group's backlog would pass this")
+                        help="send only while the group's backlog stays under this; wait "
+                        "while it is full")
+    parser.add_argument("--backlog-wait", type=float, default=300.0,
+                        help="seconds to wait for room under --max-backlog before giving up")
+    parser.add_argument("--wait-for-worker", type=float, default=0.0, metavar="SECONDS",
+                        help="wait this long for a live worker of --model (default: none "
+                        "live is an error)")
     return parser
+
+
+def find_worker(client: Client, model: str, wait_s: float) -> LiveModel | str:
+    """The model's live entry, or the one-line error naming the models that are live."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = live_models(client.redis, client.namespace)
+        if model in live:
+            return live[model]
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(WORKER_POLL_S)
+    waited = f" after waiting {wait_s:g} s" if wait_s else ""
+    names = ", ".join(f"{m.name} ({m.kind})" for m in live.values()) or "none"
+    return f"no live worker serves model {model!r}{waited}; models with a live worker: {names}"
+
+
+def items(handle: IO[str], generative: bool) -> Iterator[Item]:
+    """The requests of the input, in order."""
+    for line in read_lines(handle):
+        yield Item(line.request_id or new_request_id(), request_payload(line, generative),
+                   {"line": line.number})
+
+
+def write_result(out: TextIO, summary: RunSummary, bar: Any) -> Any:
+    """The callback that writes one envelope as a JSONL line."""
+    def emit(envelope: dict[str, Any]) -> None:
+        out.write(json.dumps(envelope, ensure_ascii=False) + "\n")
+        summary.count += 1
+        summary.failed += not envelope["ok"]
+        bar.update()
+        if not summary.count % 100:
+            out.flush()
+    return emit
+
+
+def run(client: Client, args: argparse.Namespace, handle: IO[str], count: int,
+        generative: bool) -> RunSummary:
+    """Send the input through the window, writing results as they come."""
+    summary, started = RunSummary(), time.perf_counter()
+    progress = not args.no_progress and sys.stderr.isatty()
+    with ExitStack() as stack:
+        out = sys.stdout if args.output == "-" else stack.enter_context(
+            open(args.output, "w", encoding="utf-8"))
+        bar = stack.enter_context(tqdm(total=count, disable=not progress, unit="req",
+                                       file=sys.stderr))
+        window = Window(client, args.window, args.timeout, args.backlog_wait)
+        window.run(items(handle, generative), write_result(out, summary, bar))
+        out.flush()
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def checked_input(path: str) -> tuple[IO[str], int]:
+    handle = open_input(path)
+    try:
+        count = check_input(handle)
+    except BaseException:
+        handle.close()
+        raise
+    handle.seek(0)
+    return handle, count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +138,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.window < 1:
+        print("producer: --window must be at least 1", file=sys.stderr)
+        return 2
     try:
-        if args.input == "-":
-            payloads = parse_lines(sys.stdin)
-        else:
-            with open(args.input, encoding="utf-8") as handle:
-                payloads = parse_lines(handle)
+        handle, count = checked_input(args.input)
     except (OSError, UnicodeDecodeError, InputError) as exc:
         print(f"producer: cannot read input: {exc}", file=sys.stderr)
         return 2
+    with handle:
+        return send(args, handle, count)
+
+
+def send(args: argparse.Namespace, handle: IO[str], count: int) -> int:
+    """Connect, find a live worker, run; the exit status."""
     content_type = protocol.JSON if args.json else protocol.MSGPACK
     try:
         client = Client(args.redis_url, args.model, namespace=args.namespace,
@@ -130,18 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"producer: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = run_requests(client, payloads, args.timeout,
-                               progress=not args.no_progress and sys.stderr.isatty())
-    except Overloaded as exc:
+        found = find_worker(client, args.model, args.wait_for_worker)
+        if isinstance(found, str):
+            print(f"producer: {found}", file=sys.stderr)
+            return 2
+        summary = run(client, args, handle, count, bool(found.generative))
+    except (Overloaded, BacklogFull) as exc:
         print(f"producer: overloaded: {exc}", file=sys.stderr)
         return 3
     except redis.RedisError as exc:
         print(f"producer: Redis error at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
         return 2
-    if args.output == "-":
-        write_jsonl(summary.envelopes, sys.stdout)
-    else:
-        with Path(args.output).open("w", encoding="utf-8") as out:
-            write_jsonl(summary.envelopes, out)
     print(summary.describe(), file=sys.stderr)
     return 1 if summary.failed else 0

@@ -15,8 +15,8 @@ from typing import Any
 
 import redis
 
-from producer import connection, protocol
-from producer.backlog import ADD_IF_UNDER, ADD_ONCE, add_arguments, add_once_arguments
+from producer import connection, models, protocol, streaming
+from producer.backlog import ADD_IF_UNDER, ADD_ONCE
 from producer.embeddings import with_embedding
 from producer.errors import (  # noqa: F401 (re-exported: callers import them from here)
     Overloaded,
@@ -26,7 +26,7 @@ from producer.errors import (  # noqa: F401 (re-exported: callers import them fr
     unwrap,
 )
 from producer.replicas import AUTO, ReplicaCount
-from producer.sharded import REMEMBERED_REPLY_KEYS, ShardedSubmit, Sharding  # noqa: F401
+from producer.sharded import REMEMBERED_REPLY_KEYS, ShardedSubmit  # noqa: F401
 
 DEFAULT_URL = "redis://localhost:6379/0"
 PIPELINE_CHUNK = 1000
@@ -58,89 +58,7 @@ def block_slices(timeout: float) -> Iterator[float]:
             return
 
 
-class _Base(Sharding):
-    """What both clients share: request fields, chunks, back-pressure, replica checks."""
-
-    def __init__(self, model: str, namespace: str, content_type: str,
-                 max_backlog: int | None, group: str,
-                 replicas: ReplicaCount | None = None) -> None:
-        super().__init__()
-        if content_type not in protocol.CONTENT_TYPES:
-            raise ValueError(f"content_type must be one of {protocol.CONTENT_TYPES}")
-        if max_backlog is not None and max_backlog < 1:
-            raise ValueError("max_backlog must be at least 1")
-        self.model = model
-        self.namespace = namespace
-        self.content_type = content_type
-        self.stream = protocol.stream_key(namespace, model)
-        self.max_backlog = max_backlog
-        self.group = group
-        # WAIT after each write for this many replicas (producer/replicas.py)
-        self.replicas = replicas or ReplicaCount(0)
-        self.short_waits = 0  # writes a WAIT reported short of replicas (each resubmitted)
-        self.foreign_envelopes = 0  # replies on our keys that answer no request of ours
-
-    def _own(self, data: bytes, request_ids: Collection[str]) -> dict[str, Any] | None:
-        """The envelope when it answers one of `request_ids`; else None, counted: any
-        producer can name our reply key as its reply_to, so an envelope's id is checked."""
-        envelope = protocol.envelope_for(data, request_ids)
-        self.foreign_envelopes += envelope is None
-        return envelope
-
-    def _once_call(self, ids: Sequence[str], entries: list[Any],
-                   shard: int | None = None) -> tuple[list[str], list[Any]]:
-        """(KEYS, ARGV) of ADD_ONCE: the stream and one request marker per entry."""
-        return [self._stream_of(shard), *self._markers(ids, shard)], add_once_arguments(
-            self.group, self._limit(), MARKER_TTL_MS, entries)
-
-    def _chunks(self, payloads: Sequence[Any], reply_to: str | None, deadline_ms: int | None,
-                priority: int) -> Iterator[tuple[list[str], list[Any]]]:
-        """(ids, fields) per chunk of at most PIPELINE_CHUNK requests."""
-        for start in range(0, len(payloads), PIPELINE_CHUNK):
-            chunk = payloads[start:start + PIPELINE_CHUNK]
-            ids = [new_request_id() for _ in chunk]
-            yield ids, [self._fields(payload, request_id, reply_to, deadline_ms, priority)
-                        for payload, request_id in zip(chunk, ids, strict=True)]
-
-    def _replicated(self, result: list[Any], acked: int, wanted: int,
-                    submitted: Sequence[str],
-                    replicas: ReplicaCount | None = None) -> bool:
-        """Whether an ADD_ONCE + WAIT is done: Overloaded if refused; a short WAIT is
-        counted and means send again."""
-        self._accepted(result, submitted)
-        if acked >= wanted:
-            return True
-        self.short_waits += 1
-        (replicas or self.replicas).short()
-        return False
-
-    def _add_arguments(self, entries: list[Any]) -> list[Any]:
-        limit = self._limit()
-        assert limit is not None
-        return add_arguments(self.group, limit, entries)
-
-    def _limited_chunks(self, payloads: Sequence[Any], reply_to: str | None,
-                        deadline_ms: int | None, priority: int) -> Iterator[tuple[list[str], Any]]:
-        """(ids, ADD_IF_UNDER arguments) per chunk: each chunk is added whole or refused."""
-        for ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority):
-            yield ids, self._add_arguments(entries)
-
-    def _accepted(self, result: list[Any], submitted: Sequence[str] = ()) -> None:
-        """Raise Overloaded if ADD_IF_UNDER refused the entries."""
-        if not result[0]:
-            assert self.max_backlog is not None
-            raise Overloaded(int(result[1]), self.max_backlog, submitted)
-
-    def _fields(self, payload: Any, request_id: str, reply_to: str | None,
-                deadline_ms: int | None, priority: int) -> Any:
-        return protocol.entry_fields(
-            request_id, protocol.encode(payload, self.content_type),
-            content_type=self.content_type, reply_to=reply_to, deadline_ms=deadline_ms,
-            priority=priority)
-
-    def new_reply_key(self) -> str:
-        """A fresh shared reply key, for collecting many replies on one list."""
-        return protocol.reply_key(self.namespace, f"batch-{new_request_id()}")
+from producer.request_base import _Base  # noqa: E402 (it reads this module's constants)
 
 
 class Client(ShardedSubmit, _Base):
@@ -173,21 +91,30 @@ class Client(ShardedSubmit, _Base):
                deadline_ms: int | None = None, priority: int = 0) -> str:
         """Enqueue one request; returns its id."""
         request_id = request_id or new_request_id()
+        models.learn_kind(self.redis, self.kind, self.namespace, self.model)
         fields = self._fields(payload, request_id, reply_to, deadline_ms, priority)
         if self.cycle is not None:
             self._submit_sharded([request_id], [fields], reply_to is None)
         elif wanted := self.replicas.count(self.redis):
             self._add_replicated([request_id], [fields], wanted)
         elif self.max_backlog is None:
-            self.redis.xadd(self.stream, fields)
+            self.redis.xadd(self.stream_key, fields)
         else:
-            self._accepted(self._add_if_under(keys=[self.stream],
+            self._accepted(self._add_if_under(keys=[self.stream_key],
                                               args=self._add_arguments([fields])))
         return request_id
 
     def submit_many(self, payloads: Iterable[Any], *, reply_to: str | None = None,
-                    deadline_ms: int | None = None, priority: int = 0) -> list[str]:
-        """Enqueue many requests in pipelined round trips; returns their ids in order."""
+                    deadline_ms: int | None = None, priority: int = 0,
+                    request_ids: Sequence[str] | None = None) -> list[str]:
+        """Enqueue many requests in pipelined round trips; returns their ids in order
+        (`request_ids`, one per payload, else new ones)."""
+        models.learn_kind(self.redis, self.kind, self.namespace, self.model)
+        if request_ids is not None:
+            payloads = list(payloads)
+            if len(request_ids) != len(payloads):
+                raise ValueError("request_ids must have one id per payload")
+            return self._submit_many_ids(payloads, request_ids, reply_to, deadline_ms, priority)
         if self.cycle is not None:
             return self._submit_many_sharded(list(payloads), reply_to, deadline_ms, priority)
         if wanted := self.replicas.count(self.redis):
@@ -204,11 +131,36 @@ class Client(ShardedSubmit, _Base):
         pipe = self.redis.pipeline(transaction=False)
         for payload in payloads:
             ids.append(new_request_id())
-            pipe.xadd(self.stream, self._fields(payload, ids[-1], reply_to, deadline_ms,
+            pipe.xadd(self.stream_key, self._fields(payload, ids[-1], reply_to, deadline_ms,
                                                 priority))
             if len(pipe) >= PIPELINE_CHUNK:
                 pipe.execute()
         pipe.execute()
+        return ids
+
+    def _submit_many_ids(self, payloads: list[Any], request_ids: Sequence[str],
+                         reply_to: str | None, deadline_ms: int | None,
+                         priority: int) -> list[str]:
+        """submit_many with the caller's ids: a submit each on a cluster or with replicas,
+        else ADD_IF_UNDER per chunk (max_backlog) or one pipeline per chunk."""
+        if self.cycle is not None or self.replicas.count(self.redis):
+            return [self.submit(payload, request_id=request_id, reply_to=reply_to,
+                                deadline_ms=deadline_ms, priority=priority)
+                    for payload, request_id in zip(payloads, request_ids, strict=True)]
+        ids: list[str] = []
+        if self.max_backlog is not None:
+            for chunk_ids, args in self._limited_chunks(payloads, reply_to, deadline_ms,
+                                                        priority, request_ids):
+                self._accepted(self._add_if_under(keys=[self.stream_key], args=args), ids)
+                ids += chunk_ids
+            return ids
+        for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority,
+                                               request_ids):
+            pipe = self.redis.pipeline(transaction=False)
+            for fields in entries:
+                pipe.xadd(self.stream_key, fields)
+            pipe.execute()
+            ids += chunk_ids
         return ids
 
     def _add_replicated(self, ids: Sequence[str], entries: list[Any], wanted: int,
@@ -252,13 +204,22 @@ class Client(ShardedSubmit, _Base):
                                  deadline_ms: int | None, priority: int) -> list[str]:
         ids: list[str] = []
         for chunk_ids, args in self._limited_chunks(payloads, reply_to, deadline_ms, priority):
-            self._accepted(self._add_if_under(keys=[self.stream], args=args), ids)
+            self._accepted(self._add_if_under(keys=[self.stream_key], args=args), ids)
             ids += chunk_ids
         return ids
 
     def wait(self, request_id: str, timeout: float = 30.0, reply_to: str | None = None,
              as_numpy: bool | None = None) -> dict[str, Any]:
-        """Its reply envelope (ok or not), never another id's; ResultTimeout if none came."""
+        """Its reply envelope (ok or not), never another id's; ResultTimeout if none came.
+        A request sent with `"stream": true` to a generative model: its `done` envelope."""
+        if request_id in self._streamed:
+            reading = streaming.StreamReading(request_id)
+            key = self.token_stream(request_id, reply_to)
+            for _ in streaming.read_stream(self.redis, key, reading, block_slices(timeout)):
+                pass
+            self._streamed.pop(request_id, None)
+            assert reading.done is not None
+            return {**reading.done, "ok": bool(reading.done.get("ok"))}
         key = reply_to or self.reply_key(request_id)
         for block_s in block_slices(timeout):
             popped: Any = self.redis.blpop([key], timeout=block_s)
@@ -277,6 +238,25 @@ class Client(ShardedSubmit, _Base):
               **options: Any) -> Any:
         """Submit and wait in one call (`as_numpy`: the embedding as a numpy array)."""
         return self.result(self.submit(payload, **options), timeout, as_numpy)
+
+    def stream(self, payload: Any, timeout: float = 60.0, **options: Any
+               ) -> Iterator[str | Any]:
+        """Submit a generative request and yield its answer's text as it comes (str), then
+        its final result (the `done` entry's, a dict); RequestFailed if it failed. Survives
+        a broken connection (reads on from the last entry id)."""
+        request_id = self.submit(streaming.streamed_payload(payload), **options)
+        self._streamed.pop(request_id, None)
+        reading = streaming.StreamReading(request_id)
+        key = self.token_stream(request_id, options.get("reply_to"))
+        yield from streaming.read_stream(self.redis, key, reading, block_slices(timeout))
+        self.foreign_envelopes += reading.foreign
+        self._forget(request_id)
+        yield reading.final()
+
+    def models(self, idle_s: float = models.DEFAULT_IDLE_S) -> dict[str, models.LiveModel]:
+        """The models with a live worker (one seen within `idle_s`), by name, with their
+        kind (`generative`), as the gateway's /v1/models lists them."""
+        return models.live_models(self.redis, self.namespace, idle_s)
 
     def collect(self, reply_to: str, count: int, timeout: float = 60.0,
                 on_reply: Any = None, ids: Collection[str] | None = None

@@ -27,7 +27,7 @@ class Sharding:
 
     namespace: str
     model: str
-    stream: str
+    stream_key: str
     max_backlog: int | None
     replicas: ReplicaCount
 
@@ -51,7 +51,7 @@ class Sharding:
 
     def _stream_of(self, shard: int | None) -> str:
         if shard is None:
-            return self.stream
+            return self.stream_key
         return shards.shard_stream_key(self.namespace, self.model, shard)
 
     def _markers(self, ids: Sequence[str], shard: int | None) -> list[str]:

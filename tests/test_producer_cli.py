@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,16 @@ def test_a_failed_request_makes_the_exit_status_1(
     assert "3 requests, 1 failed" in done.stderr
 
 
-def test_unanswered_requests_count_as_timeouts(redis_url: str) -> None:
+def announce(r: redis.Redis, model: str, generative: bool = False) -> None:
+    """A worker of `model` that announced itself just now (as a live one does), serving
+    nothing."""
+    entry = json.dumps({"seen_ms": int(time.time() * 1000), "generative": generative})
+    r.hset(f"redbatch:workers:{model}", "silent", entry)
+    r.hset("redbatch:models", model, entry)
+
+
+def test_unanswered_requests_count_as_timeouts(redis_url: str, r: redis.Redis) -> None:
+    announce(r, "echo")
     done = produce("--redis-url", redis_url, "--model", "echo", "--timeout", "0.3",
                    stdin="nobody serves this\n")
     assert done.returncode == 1

@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 
 from producer import AsyncClient, Client, Overloaded
 from producer.protocol import dead_letter_key, decode_envelope, entry_fields, stream_key
+from tests.test_producer_cli import announce
 from worker.streams.dead_letters import DeadLetters, list_dead_letters, requeue_dead_letters
 from worker.streams.maintenance import Maintenance
 from worker.streams.reader import StreamReader
@@ -226,7 +227,11 @@ def test_producer_cli_reports_overload(redis_url: str, group: redis.Redis, tmp_p
 
     lines = tmp_path / "in.txt"
     lines.write_text("one\ntwo\nthree\n")
+    announce(group, "echo")  # a live worker that reads nothing: the backlog stays full
+    group.xadd(STREAM, {"id": "x", "payload": b"\x01"})
+    group.xadd(STREAM, {"id": "y", "payload": b"\x01"})
     code = main([str(lines), "--model", "echo", "--redis-url", redis_url, "--max-backlog", "2",
-                 "--timeout", "1", "--no-progress"])
-    assert code == 3 and "overloaded" in capsys.readouterr().err
-    assert group.xlen(STREAM) == 0
+                 "--timeout", "1", "--backlog-wait", "0.5", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 3 and "overloaded" in err and "still full after 0.5 s" in err
+    assert group.xlen(STREAM) == 2

@@ -18,7 +18,6 @@ model is listed when its registry entry and one of its workers were seen within
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -28,6 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from producer import protocol
+from producer.liveness import announced, generative_of, live_workers, registry_seen_ms
 
 
 class ModelState(StrEnum):
@@ -40,33 +40,11 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _seen_ms(entry: Any) -> float:
-    """A registry entry's `seen_ms` (protocol.models_key); 0 when unreadable."""
-    try:
-        seen = json.loads(entry).get("seen_ms")
-    except (ValueError, AttributeError):
-        return 0
-    return seen if isinstance(seen, int) else 0
-
-
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     state: ModelState
     generative: bool | None = None  # None: no worker announced it
     created_s: int | None = None  # when its longest-running worker started
-
-
-def announced(raw: dict[Any, Any]) -> list[dict[str, Any]]:
-    """The workers' announcements (worker/streams/maintenance.py), the unreadable left out."""
-    found = []
-    for text in raw.values():
-        try:
-            value = json.loads(text)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            found.append(value)
-    return found
 
 
 class Discovery:
@@ -102,14 +80,11 @@ class Discovery:
             return ModelInfo(ModelState.UNKNOWN)
         consumers = await self.redis.xinfo_consumers(stream, self.group)
         workers = announced(await self._hash(protocol.workers_key(self.namespace, model)))
-        kinds = {w["generative"] for w in workers if isinstance(w.get("generative"), bool)}
-        generative = kinds.pop() if len(kinds) == 1 else None
+        generative = generative_of(workers)
         starts = [w["started_ms"] for w in workers if isinstance(w.get("started_ms"), int)]
         created = min(starts) // 1000 if starts else None
-        seen_since = time.time() * 1000 - self.idle_ms
-        if any(int(c["idle"]) < self.idle_ms for c in consumers) or any(
-                isinstance(w.get("seen_ms"), int) and w["seen_ms"] > seen_since
-                for w in workers):
+        if any(int(c["idle"]) < self.idle_ms for c in consumers) or live_workers(
+                workers, time.time() * 1000, self.idle_ms):
             return ModelInfo(ModelState.LIVE, generative, created)
         return ModelInfo(ModelState.NO_WORKER, generative, created)
 
@@ -119,10 +94,10 @@ class Discovery:
         Reused for `cache_s`."""
         if self._listed is not None and self._listed[0] > time.monotonic():
             return self._listed[1]
-        seen_since = time.time() * 1000 - self.idle_ms
+        now_ms = time.time() * 1000
         registry = await self._hash(protocol.models_key(self.namespace))
         models = sorted(_text(model) for model, entry in registry.items()
-                        if _seen_ms(entry) > seen_since)
+                        if registry_seen_ms(entry) > now_ms - self.idle_ms)
         async with self.redis.pipeline(transaction=False) as pipe:
             for model in models:
                 pipe.hgetall(protocol.workers_key(self.namespace, model))
@@ -130,8 +105,7 @@ class Discovery:
         found = []
         for model, raw in zip(models, hashes, strict=True):
             raw = {} if isinstance(raw, Exception) else raw  # squatted by another type
-            live = [w for w in announced(raw)
-                    if isinstance(w.get("seen_ms"), int) and w["seen_ms"] > seen_since]
+            live = live_workers(announced(raw), now_ms, self.idle_ms)
             starts = [w["started_ms"] for w in live if isinstance(w.get("started_ms"), int)]
             if live:
                 found.append((model, min(starts) // 1000 if starts else await self._created(

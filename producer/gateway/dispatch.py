@@ -95,7 +95,7 @@ class Dispatcher:
                     request_id, protocol.encode(payload, client.content_type),
                     content_type=client.content_type, reply_to=reply_to,
                     deadline_ms=deadline_ms)
-                pipe.xadd(client.stream, fields)
+                pipe.xadd(client.stream_key, fields)
             pipe.blpop([reply_to], timeout=block_s)
             answers = await pipe.execute()
         return ids, answers[-1]

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from producer import connection
-from producer.cli import run_requests
+from producer.batch import run_requests
 from producer.client import Client
 from worker.app import StartupError, redis_url
 from worker.settings import Settings, exported
@@ -106,7 +106,7 @@ def run_demo(settings: Settings, sentences: Path | None, count: int) -> int:
                             redis_client=connection.sync_client(
                                 url, settings.redis_cluster, password=settings.redis_secret))
             print(f"Waiting for the {settings.model} worker to load its model...", flush=True)
-            wait_until_serving(client.redis, client.stream, settings.group, consumer, worker)
+            wait_until_serving(client.redis, client.stream_key, settings.group, consumer, worker)
             print(f"Embedding {len(texts)} texts from {source.name} through "
                   f"{connection.redacted(url)}", flush=True)
             summary = run_requests(client, [{"text": t} for t in texts], timeout=600,
