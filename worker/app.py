@@ -33,6 +33,7 @@ from worker.execution.memory import MemoryProbe, memory_probe
 from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
+from worker.observe.startup import logged_step
 from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
 from worker.policy.controllers import controlled, controller_from_settings, dispatch_rule
@@ -272,9 +273,10 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     if settings.warmup:
         policy = worker.intake.targeted.policy
         observe = policy.model.observe if settings.latency_target_ms else None
-        warm_up(worker.runner, model, worker.batcher.boundaries, observe)
-        if settings.merge_tokens is None and worker.batcher.boundaries:
-            measure_merge(worker, model, observe)
+        with logged_step("warmup", end=False, model=settings.model):
+            warm_up(worker.runner, model, worker.batcher.boundaries, observe)
+            if settings.merge_tokens is None and worker.batcher.boundaries:
+                measure_merge(worker, model, observe)
     return worker
 
 

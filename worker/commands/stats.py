@@ -22,6 +22,7 @@ from rich.table import Table
 from producer.connection import ConnectionSettingsError, redacted, sync_client
 from worker.settings import Settings
 from worker.streams.queue_stats import (
+    ConsumerStats,
     RateMeter,
     StreamStats,
     discover_models,
@@ -68,6 +69,14 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def describe_state(consumer: ConsumerStats) -> str:
+    """"live 3 s" or "dead 2 min" since the worker last announced itself; "dead" if never."""
+    if consumer.seen_ms is None:
+        return "dead"
+    ago = max(0.0, time.time() - consumer.seen_ms / 1000)
+    return f"{'live' if consumer.live else 'dead'} {format_duration(ago)}"
+
+
 def describe_latency(latency: dict[str, float] | None) -> str:
     """"p99 182 of 250 ms, margin 10 ms", or "—" without a target."""
     if not latency:
@@ -88,7 +97,7 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
     consumers.add_column("model", no_wrap=True, min_width=6)
     consumers.add_column("consumer", overflow="fold", min_width=8)  # long texts wrap when
     consumers.add_column("pending", justify="right", no_wrap=True, min_width=7)  # narrow
-    consumers.add_column("idle", justify="right", no_wrap=True, min_width=6)
+    consumers.add_column("state", no_wrap=True, min_width=8)  # by announcement, not idle
     consumers.add_column("layout", min_width=14)
     consumers.add_column("latency target", min_width=14)
     for stats, rate in rows:
@@ -99,7 +108,7 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
                        "—" if rate is None else f"{rate:.1f}", drain)
         for consumer in stats.consumers:
             consumers.add_row(stats.model, consumer.name, str(consumer.pending),
-                              format_duration(consumer.idle_ms / 1000),
+                              describe_state(consumer),
                               ", ".join(filter(None, (consumer.layout, consumer.dtype))) or "—",
                               describe_latency(consumer.latency))
     if not rows:
