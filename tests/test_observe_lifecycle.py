@@ -123,3 +123,6 @@ def test_a_taken_metrics_port_gets_a_hint() -> None:
         with pytest.raises(StartupError, match="--metrics-port") as raised:
             serve_metrics(settings, Readiness())
     assert "--metrics-port 0" in str(raised.value) and "\n" not in str(raised.value)
+
+
+pytestmark = pytest.mark.usefixtures("fresh_logs")

@@ -17,7 +17,7 @@ import redis
 import structlog
 import torch
 
-from producer import connection, protocol
+from producer import connection, local_redis, protocol
 from producer.replicas import ReplicaCount
 from worker.execution.calibration import (
     CalibrationError,
@@ -96,8 +96,10 @@ def redis_url(settings: Settings) -> Iterator[str]:
     if settings.redis_url:
         yield settings.redis_url
         return
-    with RedisServer(settings.data_dir / "redis") as server:
-        log.info("redis.embedded", url=server.url, hint="set REDBATCH_REDIS_URL to use your own")
+    with RedisServer(settings.data_dir / "redis") as server, \
+            local_redis.published(server.url, settings.data_dir) as path:
+        log.info("redis.embedded", url=server.url, url_file=str(path),
+                 hint="set REDBATCH_REDIS_URL to use your own")
         yield server.url
 
 

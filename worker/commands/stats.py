@@ -19,6 +19,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from producer import local_redis
 from producer.connection import ConnectionSettingsError, redacted, sync_client
 from worker.settings import Settings
 from worker.streams.queue_stats import (
@@ -147,11 +148,11 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
               console: Console | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
     """One screen (after two readings `interval` apart), or refresh every `watch` seconds."""
     console = console or Console()
-    if not settings.redis_url:
-        print("redbatch: stats needs --redis-url or REDBATCH_REDIS_URL", file=sys.stderr)
+    url = stats_url(settings)
+    if not url:
         return 2
     try:
-        client = sync_client(settings.redis_url, settings.redis_cluster, socket_timeout=10,
+        client = sync_client(url, settings.redis_cluster, socket_timeout=10,
                              socket_connect_timeout=5, password=settings.redis_secret)
     except ConnectionSettingsError as exc:
         print(f"redbatch: {exc}", file=sys.stderr)
@@ -174,13 +175,23 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
                 sleep(watch)
                 live.update(render(reader.read(), settings.group), refresh=True)
     except redis.RedisError as exc:
-        print(f"redbatch: cannot read stats from {redacted(settings.redis_url)}: {exc}",
+        print(f"redbatch: cannot read stats from {redacted(url)}: {exc}",
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0
     finally:
         client.close()
+
+
+def stats_url(settings: Settings) -> str | None:
+    """The Redis to read: the setting, else a local worker's embedded one; None (said)."""
+    url = settings.redis_url or local_redis.local_url(settings.data_dir)
+    if not url:
+        print("redbatch: stats needs --redis-url or REDBATCH_REDIS_URL (or a worker "
+              "running here with its embedded Redis, which writes .redbatch/redis.url)",
+              file=sys.stderr)
+    return url
 
 
 def show(console: Console, rows: list[tuple[StreamStats, float | None]], group: str,
