@@ -32,6 +32,27 @@ def test_a_clean_stop_removes_the_consumer_and_its_announcement(
     assert r.hget("redbatch:workers:echo", consumer) is None
 
 
+def test_leaving_with_entries_held_keeps_the_consumer_and_its_announcement(
+        r: redis.Redis) -> None:
+    """A worker stopping with entries unanswered (the grace ran out, a thread failed): its
+    consumer stays (DELCONSUMER would drop the entries), and so does its announcement."""
+    from worker.streams.maintenance import Maintenance
+
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    r.xadd(STREAM, {"payload": "x"})
+    r.xreadgroup(GROUP, "holder", {STREAM: ">"}, count=1)
+    workers = "redbatch:workers:echo"
+    maintenance = Maintenance(r, STREAM, GROUP, "echo",
+                              Reclaimer(r, STREAM, GROUP, "holder", 30_000, "echo"), 5.0,
+                              3_600_000, workers_key=workers)
+    maintenance.announce()
+    assert maintenance.leave() is False
+    assert r.hexists(workers, "holder") and r.xpending(STREAM, GROUP)["pending"] == 1
+    r.xack(STREAM, GROUP, r.xpending(STREAM, GROUP)["min"])
+    assert maintenance.leave() is True
+    assert not r.hexists(workers, "holder") and r.xinfo_consumers(STREAM, GROUP) == []
+
+
 def test_a_consumer_holding_entries_stays_on_release(r: redis.Redis) -> None:
     r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
     r.xadd(STREAM, {"payload": "x"})
@@ -123,6 +144,26 @@ def test_a_taken_metrics_port_gets_a_hint() -> None:
         with pytest.raises(StartupError, match="--metrics-port") as raised:
             serve_metrics(settings, Readiness())
     assert "--metrics-port 0" in str(raised.value) and "\n" not in str(raised.value)
+
+
+
+def test_a_second_worker_on_the_metrics_port_gets_one_line(tmp_path: Any) -> None:
+    """`python -m worker` on a taken port: exit 2, one line naming --metrics-port, no
+    traceback (/metrics is served before Redis or the model are touched)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "worker", "--model", "echo", "--metrics-host", "127.0.0.1",
+             "--metrics-port", str(port), "--data-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "REDBATCH_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert done.returncode == 2, done.stderr
+    assert "--metrics-port" in done.stderr and "Traceback" not in done.stderr
 
 
 pytestmark = pytest.mark.usefixtures("fresh_logs")
