@@ -114,6 +114,7 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
     model.dtype = getattr(torch, precision.dtype)
     torch.set_num_threads(resolve_layout(settings, model, device).threads)
     started = time.perf_counter()
+    log.info("model.loading", model=settings.model, device=str(device))
     try:
         model.load(device)
     except Exception as exc:  # plugin code: any failure to load is a start-up error
