@@ -33,6 +33,22 @@ def local_url(directory: Path = DEFAULT_DIR) -> str | None:
     return url or None
 
 
+def reachable_url(directory: Path = DEFAULT_DIR) -> str | None:
+    """The local embedded Redis's URL if it answers PING (a file left by a killed worker
+    does not count), else None."""
+    url = local_url(directory)
+    if url is None:
+        return None
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1) as client:
+            client.ping()
+    except (redis.RedisError, OSError, ValueError):
+        return None
+    return url
+
+
 def default_url() -> str:
     """What a command given no Redis URL connects to: the local embedded one, if any."""
     return local_url() or FALLBACK_URL

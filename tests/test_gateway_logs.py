@@ -85,16 +85,21 @@ def test_the_embedded_redis_url_file_is_found_without_a_url(
 
 def test_the_worker_publishes_its_embedded_redis(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.app import redis_url
     from worker.commands.stats import run_stats
     from worker.settings import load_settings
+    from worker.streams.target import redis_url
 
     monkeypatch.delenv("REDBATCH_REDIS_URL", raising=False)
     settings = load_settings(None, data_dir=tmp_path / "data")
     with redis_url(settings) as url:
         assert local_redis.local_url(tmp_path / "data") == url
         assert run_stats(settings, None, None, True, 0) == 0  # found without a URL
+        with redis_url(settings) as again:  # a second worker here joins it
+            assert again == url
+        assert local_redis.local_url(tmp_path / "data") == url
     assert local_redis.local_url(tmp_path / "data") is None
+    (tmp_path / "data" / "redis.url").write_text(url)  # left by a killed worker
+    assert local_redis.reachable_url(tmp_path / "data") is None
 
 
 pytestmark = pytest.mark.usefixtures("fresh_logs")

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis
 import structlog
 import torch
 
-from producer import connection, local_redis, protocol
+from producer import connection, protocol
 from producer.replicas import ReplicaCount
 from worker.execution.calibration import (
     CalibrationError,
@@ -54,7 +53,6 @@ from worker.streams.maintenance import Maintenance
 from worker.streams.reader import StreamReader
 from worker.streams.reclaimer import Reclaimer
 from worker.streams.replier import Replier
-from worker.streams.server import RedisServer
 from worker.streams.token_streams import TokenStreams
 
 log = structlog.get_logger("redbatch")
@@ -88,19 +86,6 @@ def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False,
                                    f"{exc}") from None
             time.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
-
-
-@contextmanager
-def redis_url(settings: Settings) -> Iterator[str]:
-    """The configured Redis, or an embedded redis-server for the duration of the block."""
-    if settings.redis_url:
-        yield settings.redis_url
-        return
-    with RedisServer(settings.data_dir / "redis") as server, \
-            local_redis.published(server.url, settings.data_dir) as path:
-        log.info("redis.embedded", url=server.url, url_file=str(path),
-                 hint="set REDBATCH_REDIS_URL to use your own")
-        yield server.url
 
 
 def load_model(settings: Settings) -> tuple[Model, torch.device]:

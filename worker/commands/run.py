@@ -16,13 +16,14 @@ from types import FrameType
 
 import structlog
 
-from worker.app import StartupError, build_worker, connect, redis_url
+from worker.app import StartupError, build_worker, connect
 from worker.observe import metrics
 from worker.observe.health import Readiness
 from worker.observe.progress import ProgressLog
 from worker.observe.sampler import Sampler
 from worker.pipeline.worker import Worker
 from worker.settings import Settings
+from worker.streams.target import redis_url
 
 log = structlog.get_logger("redbatch")
 GRACE_MARGIN_S = 2.0  # beyond shutdown_grace_s, for the last blocking read to return
