@@ -404,3 +404,22 @@ def npm_installed(folder: Path, installed: Path) -> Path:
         if done.returncode != 0:
             pytest.skip(f"npm ci failed (registry unreachable?): {done.stderr[-300:]}")
     return folder
+
+
+@pytest.fixture
+def fresh_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """structlog at its defaults, and the module loggers of the observed modules new (an
+    earlier test's configuration may filter info lines or have cached its loggers), so that
+    structlog.testing.capture_logs sees every line; restored after."""
+    import structlog
+
+    from producer.gateway import events
+    from worker.observe import progress, startup
+
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    monkeypatch.setattr(events, "log", structlog.get_logger("redbatch.gateway"))
+    monkeypatch.setattr(progress, "log", structlog.get_logger("redbatch.worker"))
+    monkeypatch.setattr(startup, "log", structlog.get_logger("redbatch"))
+    yield
+    structlog.configure(**saved)

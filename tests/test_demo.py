@@ -42,8 +42,8 @@ def test_the_demo_tells_a_short_story(tmp_path: Path) -> None:
     assert "5 requests, 0 failed" in done.stdout
     events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
     info = [e["event"] for e in events if e["level"] == "info"]
-    assert info == ["redis.embedded", "model.loaded", "warmup.done", "worker.serving",
-                    "worker.stopping", "worker.stopped"], info
+    assert info == ["redis.embedded", "model.loading", "model.loaded", "warmup.started",
+                    "warmup.done", "worker.serving", "worker.stopping", "worker.stopped"], info
     warmed = next(e for e in events if e["event"] == "warmup.done")
     assert warmed["buckets"] > 0 and warmed["batch_size"] > 0 and "seconds" in warmed
 

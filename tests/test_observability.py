@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -201,24 +202,27 @@ def test_stats_json_and_table(redis_url: str, r: redis.Redis, worker_factory: An
     with worker_factory(model="echo") as worker:
         Client(redis_url, "echo").infer({"x": 1}, timeout=10)
         consumer = worker.settings.consumer
-    enqueue(r, "waiting", 4)  # a model without workers yet
-    r.xadd(protocol.dead_letter_key("redbatch", "echo"), {"id": "poison"})
-    capsys.readouterr()  # the worker's logs
-    assert main(["stats", "--redis-url", redis_url, "--json", "--interval", "0.05"]) == 0
-    report = json.loads(capsys.readouterr().out)
+        enqueue(r, "waiting", 4)  # a model without workers yet
+        r.xadd(protocol.dead_letter_key("redbatch", "echo"), {"id": "poison"})
+        capsys.readouterr()  # the worker's logs
+        assert main(["stats", "--redis-url", redis_url, "--json", "--interval", "0.05"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert main(["stats", "--redis-url", redis_url, "--interval", "0.05"]) == 0
+        table = capsys.readouterr().out
     by_model = {m["model"]: m for m in report["models"]}
     assert set(by_model) == {"echo", "waiting"}
     echo, waiting = by_model["echo"], by_model["waiting"]
     assert (echo["answered"], echo["backlog"], echo["dead_letters"]) == (1, 0, 1)
-    assert [c["name"] for c in echo["consumers"]] == [consumer]
+    assert [(c["name"], c["live"]) for c in echo["consumers"]] == [(consumer, True)]
     assert echo["consumers"][0]["layout"] == worker.layout.describe()  # announced at start
     assert echo["throughput_per_s"] == 0 and echo["drain_seconds"] == 0
     assert (waiting["length"], waiting["backlog"], waiting["drain_seconds"]) == (4, 4, None)
-
-    assert main(["stats", "--redis-url", redis_url, "--interval", "0.05"]) == 0
-    table = capsys.readouterr().out
     assert "waiting" in table and "echo" in table and "consumers" in table
-    assert "instance(s)" in table
+    assert "instance(s)" in table and "live " in table
+    capsys.readouterr()
+    assert main(["stats", "--redis-url", redis_url, "--json", "--interval", "0"]) == 0
+    after = {m["model"]: m for m in json.loads(capsys.readouterr().out)["models"]}
+    assert after["echo"]["consumers"] == []  # a clean stop leaves the group
 
 
 @pytest.mark.usefixtures("keep_logging")
@@ -273,14 +277,15 @@ def test_the_stats_tables_show_every_value_in_80_columns() -> None:
 
     latency = {"target_ms": 250.0, "observed_ms": 182.0, "percentile": 0.99, "margin_ms": 10.0}
     consumer = ConsumerStats("redbatch-worker-5d8f7c9b6-x2k4p", 3, 1200,
-                             "2 instance(s) x 1 thread(s)", latency)
+                             "2 instance(s) x 1 thread(s)", latency, None,
+                             int(time.time() * 1000) - 1200, True)
     stats = StreamStats("minilm", 12345, 1000, 12, 99999, 3, [consumer])
     for width in (80, 200):  # at 200, nothing wraps
         console = Console(width=width, record=True)
         console.print(render([(stats, 123.4)], "redbatch"))
         text = console.export_text()
         assert max(len(line) for line in text.splitlines()) <= width and "…" not in text
-        for value in ("12345", "1012", "123.4", "8 s", "1 s"):
+        for value in ("12345", "1012", "123.4", "8 s", "live 1 s"):
             assert f" {value} " in text, (width, value)
     for value in ("redbatch-worker-5d8f7c9b6-x2k4p", "2 instance(s) x 1 thread(s)",
                   "p99 182 of 250 ms, margin 10 ms"):

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -33,6 +32,7 @@ from worker.execution.memory import MemoryProbe, memory_probe
 from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
+from worker.observe.startup import logged_step
 from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
 from worker.policy.controllers import controlled, controller_from_settings, dispatch_rule
@@ -53,7 +53,6 @@ from worker.streams.maintenance import Maintenance
 from worker.streams.reader import StreamReader
 from worker.streams.reclaimer import Reclaimer
 from worker.streams.replier import Replier
-from worker.streams.server import RedisServer
 from worker.streams.token_streams import TokenStreams
 
 log = structlog.get_logger("redbatch")
@@ -89,17 +88,6 @@ def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False,
     raise AssertionError("unreachable")
 
 
-@contextmanager
-def redis_url(settings: Settings) -> Iterator[str]:
-    """The configured Redis, or an embedded redis-server for the duration of the block."""
-    if settings.redis_url:
-        yield settings.redis_url
-        return
-    with RedisServer(settings.data_dir / "redis") as server:
-        log.info("redis.embedded", url=server.url, hint="set REDBATCH_REDIS_URL to use your own")
-        yield server.url
-
-
 def load_model(settings: Settings) -> tuple[Model, torch.device]:
     """The model loaded on its device, in the dtype the settings resolve to there."""
     try:
@@ -111,6 +99,7 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
     model.dtype = getattr(torch, precision.dtype)
     torch.set_num_threads(resolve_layout(settings, model, device).threads)
     started = time.perf_counter()
+    log.info("model.loading", model=settings.model, device=str(device))
     try:
         model.load(device)
     except Exception as exc:  # plugin code: any failure to load is a start-up error
@@ -272,9 +261,10 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     if settings.warmup:
         policy = worker.intake.targeted.policy
         observe = policy.model.observe if settings.latency_target_ms else None
-        warm_up(worker.runner, model, worker.batcher.boundaries, observe)
-        if settings.merge_tokens is None and worker.batcher.boundaries:
-            measure_merge(worker, model, observe)
+        with logged_step("warmup", end=False, model=settings.model):
+            warm_up(worker.runner, model, worker.batcher.boundaries, observe)
+            if settings.merge_tokens is None and worker.batcher.boundaries:
+                measure_merge(worker, model, observe)
     return worker
 
 

@@ -131,6 +131,7 @@ class Settings(BaseSettings):
     metrics_host: str = "0.0.0.0"
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
     log_format: str = Field("auto", pattern="^(auto|json|console)$")
+    log_interval_s: float = Field(60.0, ge=0, description="a progress line this often; 0: none")
     data_dir: Path = Field(Path(".redbatch"), description="embedded Redis data")
 
     @field_validator("instances", mode="before")

@@ -25,12 +25,13 @@ from types import FrameType
 import structlog
 from prometheus_client import CollectorRegistry, multiprocess
 
-from worker.app import StartupError, redis_url
+from worker.app import StartupError
 from worker.execution.cores import available_cores
 from worker.observe.endpoints import start_server
 from worker.policy.backoff import backoff_delays
 from worker.policy.layout import share_cores
 from worker.settings import SECRET_SETTINGS, Settings, exported
+from worker.streams.target import redis_url
 
 log = structlog.get_logger("redbatch.supervisor")
 HEALTHY_AFTER_S = 60.0  # a child that lived this long restarts without backoff

@@ -20,11 +20,12 @@ import structlog
 from redis.exceptions import RedisClusterException, RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from producer.gateway import errors, metrics, pools
+from producer.gateway import errors, events, metrics, pools
 from producer.gateway.discovery import Discovery, ModelState
 from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
@@ -52,6 +53,7 @@ class Gateway:
         self.settings = settings
         self.redis = pools.shared_client(settings)
         self.probe = pools.probe_client(settings)  # readiness, apart from the shared pool
+        self.health = events.RedisHealth(self.probe, settings.redis_url)
         self.dispatcher = Dispatcher(self.redis, settings.namespace, settings.group,
                                      settings.max_backlog, settings.request_timeout_s)
         self.discovery = Discovery(self.redis, settings.namespace, settings.group,
@@ -159,9 +161,9 @@ async def readyz(request: Request) -> Response:
 
 
 def log_redis_failure(request: Request, exc: Exception) -> None:
-    """The details of a Redis failure, for the operator only (callers get a fixed text)."""
-    log.warning("redis.failed", route=request.url.path, error_type=type(exc).__name__,
-                error=str(exc))
+    """The details of a Redis failure, for the operator only (callers get a fixed text);
+    logged once per outage (events.RedisHealth)."""
+    request.app.state.gateway.health.failed(request.url.path, exc)
 
 
 async def api_error(request: Request, exc: Exception) -> Response:
@@ -191,11 +193,14 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 def create_app(settings: GatewaySettings | None = None) -> Any:
     """The ASGI app (Starlette inside the metrics middleware)."""
-    gateway = Gateway(settings or load_gateway_settings())
+    settings = settings or load_gateway_settings()
+    gateway = Gateway(settings)
+    events.log_start(settings)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> Any:
         yield
+        gateway.health.close()
         await gateway.redis.aclose()
         await gateway.probe.aclose()
 
@@ -211,9 +216,8 @@ def create_app(settings: GatewaySettings | None = None) -> Any:
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
                            RedisError: redis_error, RedisClusterException: redis_error,
                            Exception: server_error},
-        lifespan=lifespan)
+        middleware=[Middleware(events.AccessLog)], lifespan=lifespan)
     app.state.gateway = gateway
-    settings = gateway.settings
     limits = HttpLimits(settings.max_header_bytes, settings.header_timeout_s,
                         settings.body_timeout_s)
     return metrics.MetricsMiddleware(InFlightLimit(app, settings.max_concurrent_requests,

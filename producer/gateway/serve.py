@@ -24,6 +24,7 @@ import structlog
 import uvicorn
 from pydantic import SecretStr
 
+from producer.gateway.events import configure_logging
 from producer.gateway.settings import GatewaySettings, GatewaySettingsError, load_gateway_settings
 
 HTTPTOOLS = importlib.util.find_spec("httptools") is not None
@@ -80,6 +81,15 @@ def bind_refusal(settings: GatewaySettings) -> str | None:
             "allow_unauthenticated=true to serve it open, or host=127.0.0.1")
 
 
+def app_from_environment() -> Any:
+    """A `--processes` child's app: its settings from the environment, its own logging."""
+    from producer.gateway.app import create_app
+
+    settings = load_gateway_settings()
+    configure_logging(settings.log_level)
+    return create_app(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -91,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if refusal is not None:
         print(f"producer serve: {refusal}", file=sys.stderr)
         return 2
+    configure_logging(settings.log_level)
     if settings.processes > 1:
         os.environ.update(as_environment(settings))
-        uvicorn.run("producer.gateway.app:create_app", factory=True,
+        uvicorn.run("producer.gateway.serve:app_from_environment", factory=True,
                     workers=settings.processes, **server_options(settings))
         return 0
     from producer.gateway.app import create_app

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from producer.client import DEFAULT_URL
+from producer.local_redis import default_url
 from producer.protocol import DEFAULT_GROUP, DEFAULT_NAMESPACE
 
 
@@ -20,7 +20,9 @@ class GatewaySettings(BaseSettings):
     host: str = Field("127.0.0.1", description=(
         "address to listen on; a non-loopback one needs api_keys or allow_unauthenticated"))
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
-    redis_url: str = Field(DEFAULT_URL, description="the Redis the workers serve")
+    redis_url: str = Field(default_factory=default_url, description=(
+        "the Redis the workers serve; default: .redbatch/redis.url (a local worker's "
+        "embedded Redis) if present, else redis://localhost:6379/0"))
     redis_password: SecretStr | None = Field(None, min_length=1, description=(
         "Redis AUTH password, in place of one in redis_url (no URL encoding)"))
     namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)

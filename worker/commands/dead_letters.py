@@ -14,10 +14,11 @@ from typing import Any
 from producer import connection, protocol
 from producer.backlog import published_shards
 from producer.protocol import dead_letter_key, stream_key
-from worker.app import connect, redis_url
+from worker.app import connect
 from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetter, list_dead_letters, requeue_dead_letters
 from worker.streams.shards import by_shard, tagged
+from worker.streams.target import redis_url
 
 
 def run_dead_letters(settings: Settings, limit: int, requeue: Sequence[str],

@@ -20,8 +20,9 @@ import redis
 from producer import connection
 from producer.batch import run_requests
 from producer.client import Client
-from worker.app import StartupError, redis_url
+from worker.app import StartupError
 from worker.settings import Settings, exported
+from worker.streams.target import redis_url
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sentences.txt"
 QUERIES = ("How do I read a compressed file?", "Run a function in another thread.")

@@ -23,10 +23,11 @@ from typing import Any, TextIO
 import redis
 
 from producer import connection, protocol
-from worker.app import StartupError, redis_url
+from worker.app import StartupError
 from worker.commands.demo import settings_env, wait_until_serving
 from worker.models import BUILTIN
 from worker.settings import Settings
+from worker.streams.target import redis_url
 
 PROMPTS = (
     "What is the capital of France?",

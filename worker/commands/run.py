@@ -6,6 +6,7 @@ process needs around it: the metrics endpoint, the heap freeze, the sampler and 
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import signal
@@ -15,12 +16,14 @@ from types import FrameType
 
 import structlog
 
-from worker.app import StartupError, build_worker, connect, redis_url
+from worker.app import StartupError, build_worker, connect
 from worker.observe import metrics
 from worker.observe.health import Readiness
+from worker.observe.progress import ProgressLog
 from worker.observe.sampler import Sampler
 from worker.pipeline.worker import Worker
 from worker.settings import Settings
+from worker.streams.target import redis_url
 
 log = structlog.get_logger("redbatch")
 GRACE_MARGIN_S = 2.0  # beyond shutdown_grace_s, for the last blocking read to return
@@ -58,8 +61,10 @@ def serve_metrics(settings: Settings, readiness: Readiness) -> None:
     try:
         metrics.serve(settings.metrics_host, settings.metrics_port, readiness)
     except OSError as exc:
-        raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: {exc}") \
-            from None
+        hint = (" (another worker on this host?): give each its own --metrics-port, or "
+                "--metrics-port 0 to disable /metrics") if exc.errno == errno.EADDRINUSE else ""
+        raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: "
+                           f"{exc.strerror or exc}{hint}") from None
 
 
 def freeze_heap() -> None:
@@ -79,10 +84,12 @@ def serve(settings: Settings) -> int:
         worker = build_worker(settings, client)
         freeze_heap()
         sampler = Sampler(worker, client).start()
+        progress = ProgressLog(worker.name, settings.log_interval_s).start()
         readiness.worker, readiness.redis = worker, sampler
         install_signal_handlers(worker)
         try:
             worker.run()
         finally:
+            progress.stop()
             sampler.stop()
     return 1 if worker.failed else 0

@@ -19,9 +19,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from producer import local_redis
 from producer.connection import ConnectionSettingsError, redacted, sync_client
 from worker.settings import Settings
 from worker.streams.queue_stats import (
+    ConsumerStats,
     RateMeter,
     StreamStats,
     discover_models,
@@ -68,6 +70,14 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def describe_state(consumer: ConsumerStats) -> str:
+    """"live 3 s" or "dead 2 min" since the worker last announced itself; "dead" if never."""
+    if consumer.seen_ms is None:
+        return "dead"
+    ago = max(0.0, time.time() - consumer.seen_ms / 1000)
+    return f"{'live' if consumer.live else 'dead'} {format_duration(ago)}"
+
+
 def describe_latency(latency: dict[str, float] | None) -> str:
     """"p99 182 of 250 ms, margin 10 ms", or "—" without a target."""
     if not latency:
@@ -88,7 +98,7 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
     consumers.add_column("model", no_wrap=True, min_width=6)
     consumers.add_column("consumer", overflow="fold", min_width=8)  # long texts wrap when
     consumers.add_column("pending", justify="right", no_wrap=True, min_width=7)  # narrow
-    consumers.add_column("idle", justify="right", no_wrap=True, min_width=6)
+    consumers.add_column("state", no_wrap=True, min_width=8)  # by announcement, not idle
     consumers.add_column("layout", min_width=14)
     consumers.add_column("latency target", min_width=14)
     for stats, rate in rows:
@@ -99,7 +109,7 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
                        "—" if rate is None else f"{rate:.1f}", drain)
         for consumer in stats.consumers:
             consumers.add_row(stats.model, consumer.name, str(consumer.pending),
-                              format_duration(consumer.idle_ms / 1000),
+                              describe_state(consumer),
                               ", ".join(filter(None, (consumer.layout, consumer.dtype))) or "—",
                               describe_latency(consumer.latency))
     if not rows:
@@ -138,11 +148,11 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
               console: Console | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
     """One screen (after two readings `interval` apart), or refresh every `watch` seconds."""
     console = console or Console()
-    if not settings.redis_url:
-        print("redbatch: stats needs --redis-url or REDBATCH_REDIS_URL", file=sys.stderr)
+    url = stats_url(settings)
+    if not url:
         return 2
     try:
-        client = sync_client(settings.redis_url, settings.redis_cluster, socket_timeout=10,
+        client = sync_client(url, settings.redis_cluster, socket_timeout=10,
                              socket_connect_timeout=5, password=settings.redis_secret)
     except ConnectionSettingsError as exc:
         print(f"redbatch: {exc}", file=sys.stderr)
@@ -165,13 +175,23 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
                 sleep(watch)
                 live.update(render(reader.read(), settings.group), refresh=True)
     except redis.RedisError as exc:
-        print(f"redbatch: cannot read stats from {redacted(settings.redis_url)}: {exc}",
+        print(f"redbatch: cannot read stats from {redacted(url)}: {exc}",
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0
     finally:
         client.close()
+
+
+def stats_url(settings: Settings) -> str | None:
+    """The Redis to read: the setting, else a local worker's embedded one; None (said)."""
+    url = settings.redis_url or local_redis.local_url(settings.data_dir)
+    if not url:
+        print("redbatch: stats needs --redis-url or REDBATCH_REDIS_URL (or a worker "
+              "running here with its embedded Redis, which writes .redbatch/redis.url)",
+              file=sys.stderr)
+    return url
 
 
 def show(console: Console, rows: list[tuple[StreamStats, float | None]], group: str,

@@ -7,9 +7,12 @@ import sys
 
 import structlog
 
+from worker.observe.startup import quiet_progress_bars
+
 
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    quiet_progress_bars(json_logs=not console)
     # The console renderer prints tracebacks itself (plain: rich's would show local variables,
     # request payloads among them); JSON needs them turned into a field.
     console_renderer = structlog.dev.ConsoleRenderer(

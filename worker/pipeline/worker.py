@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
 import structlog
 
 from worker.execution.executor import dtype_name
@@ -152,7 +153,18 @@ class Worker:
             self.answers.close()
             replier.join()
             intake.join()
-            log.info("worker.stopped", consumer=self.settings.consumer)
+            self._leave()
+
+    def _leave(self) -> None:
+        """Delete this consumer and its announcement where it holds nothing (a clean stop),
+        so `stats` and the gateway stop counting it at once."""
+        try:
+            left = self.maintenance.leave()
+        except redis.RedisError as exc:
+            log.warning("worker.leave_failed", error=str(exc),
+                        hint="the consumer is removed once idle (consumer_idle_ms)")
+            left = False
+        log.info("worker.stopped", consumer=self.settings.consumer, left_group=left)
 
     def stop(self) -> None:
         """Stop reading; what is held is answered until `shutdown_grace_s` has passed."""

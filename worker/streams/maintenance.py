@@ -120,6 +120,20 @@ class Maintenance:
             pipe.hset(self.models_key, self.model_name, registry_entry(described))
         self._tolerating_wrong_types(pipe.execute)
 
+    def leave(self) -> bool:
+        """On a clean stop: delete this worker's consumer where it holds nothing, and its
+        announcement, so `stats` and the gateway stop listing it at once. Returns whether
+        it left; a consumer still holding entries stays (and so does its announcement)."""
+        released = all([reclaimer.release() for reclaimer in self.reclaimers()])
+        if released and self.workers_key is not None:
+            self._tolerating_wrong_types(
+                lambda: self.client.hdel(self.workers_key or "", self.reclaimer.consumer))
+        return released
+
+    def reclaimers(self) -> list[Reclaimer]:
+        """This worker's reclaimer on each stream it reads (one, or one per shard)."""
+        return [self.reclaimer]
+
     def _tolerating_wrong_types(self, write: Callable[[], Any]) -> None:
         """A workers hash or registry squatted by another type skips the announcement
         (logged and counted): the worker serves on."""

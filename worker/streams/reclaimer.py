@@ -61,6 +61,15 @@ end
 return removed
 """
 
+RELEASE_CONSUMER = """
+-- KEYS[1] stream; ARGV[1] group, ARGV[2] this consumer. On a clean stop: delete the
+-- consumer only when it holds nothing, checked in the same step, so no pending entry is lost.
+-- Returns 1 when deleted, 0 when it still holds entries (they stay for others to claim).
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
 
 class Reclaimer:
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
@@ -75,6 +84,7 @@ class Reclaimer:
         self._next_sweep = time.monotonic() + self.interval_s
         self._claim = client.register_script(CLAIM)
         self._remove_idle = client.register_script(REMOVE_IDLE_CONSUMERS)
+        self._release = client.register_script(RELEASE_CONSUMER)
 
     def due(self) -> bool:
         return time.monotonic() >= self._next_sweep
@@ -115,6 +125,16 @@ class Reclaimer:
         if names:
             log.info("consumers.removed", consumers=names)
         return names
+
+    def release(self) -> bool:
+        """Delete this consumer from the group if it holds nothing; True when it went."""
+        try:
+            released: Any = self._release(keys=[self.stream], args=[self.group, self.consumer])
+        except redis.ResponseError as exc:
+            if not is_group_lost(exc):
+                raise
+            return True  # no group, so no consumer left behind
+        return bool(released)
 
     def _restart_sweep(self) -> None:
         self.cursor = START

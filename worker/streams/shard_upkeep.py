@@ -107,6 +107,9 @@ class ShardedMaintenance(Maintenance):
             self._tolerating_wrong_types(lambda: self.client.hset(
                 models_key, self.model_name, registry_entry(described)))
 
+    def reclaimers(self) -> list[Reclaimer]:
+        return [reclaimer for _, reclaimer, _ in self.shards]
+
     def trim(self) -> int:
         """Every shard, lease or not (for tests and tools)."""
         return sum(int(self._trim(keys=[stream])) for stream, _, _ in self.shards)
