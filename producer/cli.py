@@ -29,6 +29,7 @@ from producer.batch import BacklogFull, Item, RunSummary, Window, run_requests
 from producer.batch_input import InputError, check_input, open_input, read_lines, request_payload
 from producer.client import DEFAULT_URL, Client, Overloaded, new_request_id
 from producer.connection import ConnectionSettingsError, redacted
+from producer.local_redis import local_url
 from producer.models import LiveModel, live_models
 
 __all__ = ["InputError", "RunSummary", "main", "run_requests"]
@@ -40,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", nargs="?", default="-", help="file, or - for stdin (default)")
     parser.add_argument("-o", "--output", default="-", help="results file (default stdout)")
-    parser.add_argument("--model", default=os.environ.get("REDBATCH_MODEL_NAME", "minilm"))
-    parser.add_argument("--redis-url", default=os.environ.get("REDBATCH_REDIS_URL", DEFAULT_URL),
+    parser.add_argument("--model", default=os.environ.get("REDBATCH_MODEL_NAME") or os.environ.get(
+        "REDBATCH_MODEL", "minilm").rpartition(":")[2].lower(),  # the worker's own variables
+        help="the model's stream name (default: $REDBATCH_MODEL_NAME, else as the worker "
+        "derives it from $REDBATCH_MODEL, else minilm)")
+    parser.add_argument("--redis-url", default=os.environ.get("REDBATCH_REDIS_URL")
+                        or local_url() or DEFAULT_URL,  # a worker's embedded Redis, if here
                         help="redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/"
                         "service[/db] or rediss+sentinel://")
     parser.add_argument("--redis-cluster", action="store_true",

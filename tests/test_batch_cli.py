@@ -126,3 +126,20 @@ def test_max_backlog_waits_for_room_instead_of_refusing(
                        "--window", "10", stdin="".join(f"{n}\n" for n in range(30)))
     assert done.returncode == 0, done.stderr
     assert [e["result"]["text"] for e in results(done.stdout)] == [str(n) for n in range(30)]
+
+
+def test_the_cli_defaults_meet_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33: the worker's embedded Redis URL file and its REDBATCH_MODEL are the CLI's
+    defaults too (REDBATCH_REDIS_URL and REDBATCH_MODEL_NAME still win)."""
+    from producer.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("REDBATCH_REDIS_URL", "REDBATCH_MODEL_NAME", "REDBATCH_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / ".redbatch").mkdir()
+    (tmp_path / ".redbatch" / "redis.url").write_text("redis://127.0.0.1:4242/0\n")
+    monkeypatch.setenv("REDBATCH_MODEL", "mypkg.models:Reranker")
+    args = build_parser().parse_args([])
+    assert args.redis_url == "redis://127.0.0.1:4242/0" and args.model == "reranker"
+    monkeypatch.setenv("REDBATCH_MODEL_NAME", "other")
+    assert build_parser().parse_args([]).model == "other"
