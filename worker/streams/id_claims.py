@@ -34,6 +34,8 @@ return taken
 
 @dataclass(frozen=True, slots=True)
 class Claim:
+    """An entry's claim on its request id, on the reply key it would be answered on."""
+
     entry_id: str
     request_id: str
     reply_to: str
