@@ -8,6 +8,7 @@ any key but the reply keys: a list reply goes under `<ns>:reply:`, a streamed on
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,13 @@ class EntryRules:
         if streamed:
             return f"a streamed answer's 'reply_to' must start with {self.stream_prefix!r}"
         return f"a list reply's 'reply_to' must start with {self.reply_prefix!r}"
+
+
+@functools.lru_cache(maxsize=64)
+def rules_for(namespace: str, max_payload_bytes: int,
+              reply_prefixes: tuple[str, ...] = ()) -> EntryRules:
+    """The rules of one worker's settings, built once (parse_entry runs for every request)."""
+    return EntryRules(namespace, max_payload_bytes, reply_prefixes)
 
 
 class ContainerCount:

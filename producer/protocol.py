@@ -16,7 +16,7 @@ import msgpack
 
 # The Redis Cluster keys (shards of one logical queue) live in producer/shards.py; they are
 # part of the wire format, so they are re-exported here.
-from producer.entry_rules import MAX_CONTAINER_ITEMS, ContainerCount, EntryRules
+from producer.entry_rules import MAX_CONTAINER_ITEMS, ContainerCount, EntryRules, rules_for
 from producer.shards import (  # noqa: F401
     HASH_SLOTS,
     check_cluster_names,
@@ -289,7 +289,7 @@ def parse_entry(fields: dict[bytes, bytes], namespace: str, max_payload_bytes: i
     if len(raw_id) > MAX_ID_BYTES:
         raise InvalidEntry(f"'id' is longer than {MAX_ID_BYTES} bytes")
     request_id = _utf8(raw_id, "id")
-    rules = EntryRules(namespace, max_payload_bytes, reply_prefixes)
+    rules = rules_for(namespace, max_payload_bytes, reply_prefixes)
     default = default_reply or reply_key(namespace, request_id)
     reply_to = _reply_to(fields.get(b"reply_to"), default, request_id, rules)
     raw_content_type = fields.get(b"content_type")
