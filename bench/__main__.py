@@ -1,3 +1,3 @@
-from bench.cli import main
+from bench.throughput.cli import main
 
 raise SystemExit(main())

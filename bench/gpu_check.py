@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common.paths import SENTENCES
 from worker.execution.executor import Executor, Launched, to_device
 from worker.execution.memory import CudaMemory
 from worker.execution.runner import BatchRunner, TooLarge
@@ -31,7 +32,6 @@ from worker.policy.batching import BatchLimits
 from worker.policy.governor import Governor, GovernorPolicy
 
 GIB = 1 << 30
-SENTENCES = Path(__file__).resolve().parent.parent / "examples" / "sentences.txt"
 BUCKET_256 = 4  # MiniLM's bucket for 129..256 tokens
 
 

@@ -16,12 +16,13 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-import producer.client as base
+import producer.request_base as base
 from producer import connection, models, protocol, streaming
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, ShardCycle, published_shards
 from producer.embeddings import with_embedding
 from producer.errors import Overloaded, ResultTimeout, unwrap
 from producer.replicas import AUTO, ReplicaCount
+from producer.shards import check_cluster_names, default_shards, shards_key
 
 
 class AsyncClient(base._Base):
@@ -55,11 +56,11 @@ class AsyncClient(base._Base):
                 await self._read_shards()
 
     async def _read_shards(self) -> None:
-        protocol.check_cluster_names(self.namespace, self.model)
-        key = protocol.shards_key(self.namespace, self.model)
+        check_cluster_names(self.namespace, self.model)
+        key = shards_key(self.namespace, self.model)
         count = published_shards(await self.redis.get(key))
         if count is None:
-            await self.redis.set(key, protocol.default_shards(connection.master_count(self.redis)),
+            await self.redis.set(key, default_shards(connection.master_count(self.redis)),
                                  nx=True)
             count = published_shards(await self.redis.get(key))
         if count is None:

@@ -13,7 +13,7 @@ import random
 import threading
 from typing import Any
 
-from producer import protocol
+from producer.shards import default_shards, shards_key
 
 BACKLOG_FUNCTION = """
 local function backlog(stream, group, cap)
@@ -155,10 +155,10 @@ def published_shards(value: bytes | str | None) -> int | None:
 def shard_count(client: Any, namespace: str, model: str, wanted: int = 0) -> int:
     """The model's shard count on a cluster: the published one, or (first comer) `wanted`,
     by default 2 x the masters, published with SET NX so every producer and worker agrees."""
-    key = protocol.shards_key(namespace, model)
+    key = shards_key(namespace, model)
     count = published_shards(client.get(key))
     if count is None:
-        client.set(key, wanted or protocol.default_shards(len(client.get_primaries())), nx=True)
+        client.set(key, wanted or default_shards(len(client.get_primaries())), nx=True)
         count = published_shards(client.get(key))
     if count is None:
         raise ValueError(f"{key} does not hold a shard count")

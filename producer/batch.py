@@ -17,8 +17,9 @@ from itertools import islice
 from typing import Any
 
 from producer import protocol
-from producer.client import Client, new_request_id
+from producer.client import Client
 from producer.errors import Overloaded
+from producer.request_base import new_request_id
 
 RECEIVE_S = 0.05  # each BLPOP of a window round blocks at most this long
 BACKLOG_RETRY_S = 0.2

@@ -9,56 +9,19 @@ round-robin, per-shard reply keys) in producer/sharded.py; all are re-exported h
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
 
 from producer import connection, models, protocol, streaming
+from producer import request_base as base
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE
 from producer.embeddings import with_embedding
-from producer.errors import (  # noqa: F401 (re-exported: callers import them from here)
-    Overloaded,
-    RedbatchError,
-    RequestFailed,
-    ResultTimeout,
-    unwrap,
-)
+from producer.errors import ResultTimeout, unwrap
 from producer.replicas import AUTO, ReplicaCount
+from producer.request_base import DEFAULT_URL, _Base, block_slices, new_request_id
 from producer.sharded import REMEMBERED_REPLY_KEYS, ShardedSubmit  # noqa: F401
-
-DEFAULT_URL = "redis://localhost:6379/0"
-PIPELINE_CHUNK = 1000
-# Each BLPOP blocks at most this long, well inside the client's socket timeout (redis-py 8
-# defaults to 5 s and raises TimeoutError on a longer block); longer waits take several.
-MAX_BLOCK_S = 1.0
-MIN_BLOCK_S = 0.01  # BLPOP with a timeout that rounds to 0 would block forever
-# A write that a WAIT reports short of replicas, or whose connection broke, is sent again
-# this many times (ADD_ONCE makes that idempotent), waiting RESUBMIT_DELAY_S x 2^attempt.
-RESUBMITS = 6
-RESUBMIT_DELAY_S = 0.1
-RESUBMIT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
-                   redis.exceptions.MovedError, redis.exceptions.ClusterDownError,
-                   redis.exceptions.TryAgainError)  # the last three: a cluster's failover
-MARKER_TTL_MS = 3_600_000
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def block_slices(timeout: float) -> Iterator[float]:
-    """BLPOP timeouts that together wait `timeout` seconds; always at least one."""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        yield min(max(remaining, MIN_BLOCK_S), MAX_BLOCK_S)
-        if remaining <= MAX_BLOCK_S:
-            return
-
-
-from producer.request_base import _Base  # noqa: E402 (it reads this module's constants)
 
 
 class Client(ShardedSubmit, _Base):
@@ -133,7 +96,7 @@ class Client(ShardedSubmit, _Base):
             ids.append(new_request_id())
             pipe.xadd(self.stream_key, self._fields(payload, ids[-1], reply_to, deadline_ms,
                                                 priority))
-            if len(pipe) >= PIPELINE_CHUNK:
+            if len(pipe) >= base.PIPELINE_CHUNK:
                 pipe.execute()
         pipe.execute()
         return ids
@@ -167,12 +130,12 @@ class Client(ShardedSubmit, _Base):
                         submitted: Sequence[str] = (), shard: int | None = None) -> None:
         """ADD_ONCE and WAIT on one connection (a plain pipeline; on a cluster, to the
         shard's master); sent again while the WAIT comes back short or the connection
-        breaks (a failover), RESUBMITS times at most. Past that the entries are on the
+        breaks (a failover), base.RESUBMITS times at most. Past that the entries are on the
         master, not known to be on a replica."""
         keys, args = self._once_call(ids, entries, shard)
         replicas = self._replicas_of(shard)
         fault: Exception | None = None
-        for attempt in range(RESUBMITS + 1):
+        for attempt in range(base.RESUBMITS + 1):
             if fault is not None:  # the slot table as it is now, not as at the fault
                 connection.follow_cluster(self.redis, fault)
             try:
@@ -187,18 +150,18 @@ class Client(ShardedSubmit, _Base):
                     return  # no replica left to wait for (AUTO, after a failover)
             except redis.exceptions.AskError as exc:
                 if isinstance(exc, redis.exceptions.MovedError):
-                    if attempt == RESUBMITS:
+                    if attempt == base.RESUBMITS:
                         raise
                     fault = exc
                 else:  # a slot mid-migration: through the cluster client (ASKING), no WAIT
                     self.short_waits += 1
                     self._accepted(self._add_once(keys=keys, args=args), submitted)
                     return
-            except RESUBMIT_ERRORS as exc:
-                if attempt == RESUBMITS:
+            except base.RESUBMIT_ERRORS as exc:
+                if attempt == base.RESUBMITS:
                     raise
                 fault = exc
-            time.sleep(RESUBMIT_DELAY_S * 2**attempt)
+            time.sleep(base.RESUBMIT_DELAY_S * 2**attempt)
 
     def _submit_many_under_limit(self, payloads: list[Any], reply_to: str | None,
                                  deadline_ms: int | None, priority: int) -> list[str]:

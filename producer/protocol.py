@@ -14,27 +14,9 @@ from typing import Any
 
 import msgpack
 
-# The Redis Cluster keys (shards of one logical queue) live in producer/shards.py; they are
-# part of the wire format, so they are re-exported here.
+# The Redis Cluster keys (shards of one logical queue) live in producer/shards.py.
 from producer.entry_rules import MAX_CONTAINER_ITEMS, ContainerCount, EntryRules, rules_for
-from producer.shards import (  # noqa: F401
-    HASH_SLOTS,
-    check_cluster_names,
-    default_shards,
-    key_slot,
-    reply_marker_key,
-    shard_answered_key,
-    shard_dead_letter_key,
-    shard_lease_key,
-    shard_of_stream,
-    shard_reply_key,
-    shard_stream_key,
-    shard_submitted_key,
-    shard_tag,
-    shard_token_stream_key,
-    shards_key,
-    slot_tag,
-)
+from producer.shards import shard_answered_key, shard_dead_letter_key
 
 DEFAULT_NAMESPACE = "redbatch"
 DEFAULT_GROUP = "workers"

@@ -1,22 +1,54 @@
 """What Client and AsyncClient share: request fields, chunks, back-pressure, replica checks,
 and the rule that a request is only sent where its answer will land (generative models).
 
-Module constants (PIPELINE_CHUNK, MARKER_TTL_MS) are read from producer.client at call time,
-where callers set them.
+Its module constants (PIPELINE_CHUNK, MAX_BLOCK_S, ...) are read at call time by both
+clients, so a caller (a test) sets one here for both.
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
-import producer.client as client_module
+import redis
+
 from producer import protocol
 from producer.backlog import add_arguments, add_once_arguments
 from producer.errors import Overloaded
 from producer.models import ModelKind
 from producer.replicas import ReplicaCount
 from producer.sharded import REMEMBERED_REPLY_KEYS, Sharding
+
+DEFAULT_URL = "redis://localhost:6379/0"
+PIPELINE_CHUNK = 1000
+# Each BLPOP blocks at most this long, well inside the client's socket timeout (redis-py 8
+# defaults to 5 s and raises TimeoutError on a longer block); longer waits take several.
+MAX_BLOCK_S = 1.0
+MIN_BLOCK_S = 0.01  # BLPOP with a timeout that rounds to 0 would block forever
+# A write that a WAIT reports short of replicas, or whose connection broke, is sent again
+# this many times (ADD_ONCE makes that idempotent), waiting RESUBMIT_DELAY_S x 2^attempt.
+RESUBMITS = 6
+RESUBMIT_DELAY_S = 0.1
+RESUBMIT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError,
+                   redis.exceptions.MovedError, redis.exceptions.ClusterDownError,
+                   redis.exceptions.TryAgainError)  # the last three: a cluster's failover
+MARKER_TTL_MS = 3_600_000
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def block_slices(timeout: float) -> Iterator[float]:
+    """BLPOP timeouts that together wait `timeout` seconds; always at least one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        yield min(max(remaining, MIN_BLOCK_S), MAX_BLOCK_S)
+        if remaining <= MAX_BLOCK_S:
+            return
 
 
 class _Base(Sharding):
@@ -56,18 +88,18 @@ class _Base(Sharding):
                    shard: int | None = None) -> tuple[list[str], list[Any]]:
         """(KEYS, ARGV) of ADD_ONCE: the stream and one request marker per entry."""
         return [self._stream_of(shard), *self._markers(ids, shard)], add_once_arguments(
-            self.group, self._limit(), client_module.MARKER_TTL_MS, entries)
+            self.group, self._limit(), MARKER_TTL_MS, entries)
 
     def _chunks(self, payloads: Sequence[Any], reply_to: str | None, deadline_ms: int | None,
                 priority: int, request_ids: Sequence[str] | None = None
                 ) -> Iterator[tuple[list[str], list[Any]]]:
         """(ids, fields) per chunk of at most PIPELINE_CHUNK requests; `request_ids`: the
         ids to use (else new ones)."""
-        size = client_module.PIPELINE_CHUNK
+        size = PIPELINE_CHUNK
         for start in range(0, len(payloads), size):
             chunk = payloads[start:start + size]
             ids = list(request_ids[start:start + size]) if request_ids is not None else [
-                client_module.new_request_id() for _ in chunk]
+                new_request_id() for _ in chunk]
             yield ids, [self._fields(payload, request_id, reply_to, deadline_ms, priority)
                         for payload, request_id in zip(chunk, ids, strict=True)]
 
@@ -113,7 +145,7 @@ class _Base(Sharding):
 
     def new_reply_key(self) -> str:
         """A fresh shared reply key, for collecting many replies on one list."""
-        return protocol.reply_key(self.namespace, f"batch-{client_module.new_request_id()}")
+        return protocol.reply_key(self.namespace, f"batch-{new_request_id()}")
 
 
     def _answerable(self, payload: Any, request_id: str, reply_to: str | None) -> Any:

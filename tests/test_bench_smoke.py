@@ -56,7 +56,7 @@ def test_generative_smoke_run_writes_the_report(tmp_path: Path) -> None:
 
 def test_ttft_compares_each_request_with_itself_alone() -> None:
     """A long prompt slow alone is not counted as slowed down by the load."""
-    from bench.gen_ttft import compare
+    from bench.generative.ttft import compare
 
     alone = [100.0] * 18 + [800.0, 800.0]
     loaded = [150.0] * 18 + [800.0, 800.0]

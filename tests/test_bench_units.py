@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from bench.corpus import paragraphs
-from bench.load import poisson_offsets
-from bench.measure import Layout, layouts, offline_rate
-from bench.report import targets
-from bench.stats import histogram, percentile
+from bench.common.corpus import paragraphs
+from bench.common.load import poisson_offsets
+from bench.common.stats import histogram, percentile
+from bench.throughput.measure import Layout, layouts, offline_rate
+from bench.throughput.report import targets
 from tests.test_instances import OverlapCountingEcho
 
 

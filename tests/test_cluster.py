@@ -23,6 +23,7 @@ import redis
 from producer import AsyncClient, Client, Overloaded, connection, protocol
 from producer.backlog import ShardCycle
 from producer.replicas import ReplicaCount
+from producer.shards import key_slot, shard_reply_key, shard_stream_key
 from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
 from tests.conftest import wait_until
 from worker.streams.replier import Reply
@@ -41,7 +42,7 @@ def rig(cluster: ClusterRig) -> ClusterRig:
 
 def shard_lengths(client: redis.RedisCluster, count: int) -> list[int]:
     """Entries ever added per shard (XINFO STREAM's entries-added survives trimming)."""
-    return [int(client.xinfo_stream(protocol.shard_stream_key("redbatch", "echo", s))
+    return [int(client.xinfo_stream(shard_stream_key("redbatch", "echo", s))
                 ["entries-added"]) for s in range(count)]
 
 
@@ -97,10 +98,10 @@ def test_backlog_moves_on_to_the_next_shard_then_refuses(rig: ClusterRig) -> Non
     for _ in range(3):  # always offered to shard 0: two fit, the third goes to shard 1
         client.cycle = ShardCycle(6, start=0)
         last = client.submit({"n": 0})
-    lengths = [client.redis.xlen(protocol.shard_stream_key("redbatch", "echo", s))
+    lengths = [client.redis.xlen(shard_stream_key("redbatch", "echo", s))
                for s in range(6)]
     assert lengths == [2, 1, 0, 0, 0, 0]
-    assert client.reply_key(last) == protocol.shard_reply_key("redbatch", "echo", 1, last)
+    assert client.reply_key(last) == shard_reply_key("redbatch", "echo", 1, last)
     client.submit_many([{"n": n} for n in range(9)])  # fills every shard to its share
     with pytest.raises(Overloaded):
         client.submit({"n": 12})
@@ -174,7 +175,7 @@ def test_wait_runs_on_the_writes_node_and_short_waits_resubmit(rig: ClusterRig) 
     met = Client(url, "echo", cluster=True, replicas_to_wait=1, replicas_wait_ms=5000)
     client = Client(url, "echo", cluster=True, replicas_to_wait=1, replicas_wait_ms=50)
     assert met.cycle is not None and client.cycle is not None
-    stream = protocol.shard_stream_key("redbatch", "echo", 0)
+    stream = shard_stream_key("redbatch", "echo", 0)
     replica = rig.replica_of(rig.master_of(stream))
     with cluster_worker(url, replicas_to_wait=1, replicas_wait_ms=50), \
             ThreadPoolExecutor(1) as pool:
@@ -218,13 +219,13 @@ def test_a_crash_between_the_foreign_push_and_the_ack_gives_one_push(
     url = rig.url()
     client = Client(url, "echo", cluster=True)
     reply_to = client.new_reply_key()
-    stream = protocol.shard_stream_key("redbatch", "echo", 0)
+    stream = shard_stream_key("redbatch", "echo", 0)
     r = client.redis
     r.xgroup_create(stream, "workers", id="0", mkstream=True)
     entry_id = r.xadd(stream, protocol.entry_fields("req-x", protocol.encode(1, protocol.MSGPACK),
                                                     reply_to=reply_to)).decode()
     r.xreadgroup("workers", "dying", {stream: ">"}, count=1)  # it holds the entry
-    assert protocol.key_slot(reply_to) != protocol.key_slot(stream)
+    assert key_slot(reply_to) != key_slot(stream)
     dying = ForeignReplies(r, "redbatch", 60_000, "echo", ReplicaCount(0))
     envelope = protocol.encode(protocol.success_envelope("req-x", "first", {}), protocol.MSGPACK)
     dying.push(stream, [Reply(entry_id, reply_to, envelope)])  # step 1, then it dies
@@ -246,7 +247,7 @@ def test_hostile_entries_are_answered_in_the_shards_slot(rig: ClusterRig) -> Non
     (the in-flight marks are a pipeline across slots)."""
     url = rig.url()
     client = Client(url, "echo", cluster=True)
-    stream = protocol.shard_stream_key("redbatch", "echo", 0)
+    stream = shard_stream_key("redbatch", "echo", 0)
     with cluster_worker(url):
         client.redis.xadd(stream, {"id": "evil", "payload": json.dumps(1),
                                    "content_type": protocol.JSON,
@@ -254,9 +255,9 @@ def test_hostile_entries_are_answered_in_the_shards_slot(rig: ClusterRig) -> Non
         for value in (1, 2):
             client.redis.xadd(stream, {"id": "twice", "payload": json.dumps(value),
                                        "content_type": protocol.JSON})
-        evil = client.redis.blpop([protocol.shard_reply_key("redbatch", "echo", 0, "evil")],
+        evil = client.redis.blpop([shard_reply_key("redbatch", "echo", 0, "evil")],
                                   timeout=20)
-        twice = [client.redis.blpop([protocol.shard_reply_key("redbatch", "echo", 0,
+        twice = [client.redis.blpop([shard_reply_key("redbatch", "echo", 0,
                                                               "twice")], timeout=20)
                  for _ in range(2)]
     assert evil is not None

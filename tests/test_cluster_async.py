@@ -7,8 +7,9 @@ import asyncio
 import time
 from collections import Counter
 
-from producer import AsyncClient, Client, protocol
+from producer import AsyncClient, Client
 from producer.backlog import ShardCycle
+from producer.shards import shard_stream_key
 from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
 from tests.conftest import wait_until
 
@@ -25,7 +26,7 @@ def test_async_client_waits_on_the_writes_node_and_resubmits_short_waits(
     wait_until(cluster.healthy, 20, "the cluster is not healthy")
     flush(cluster)
     url = cluster.url()
-    stream = protocol.shard_stream_key("redbatch", "echo", 0)
+    stream = shard_stream_key("redbatch", "echo", 0)
     replica = cluster.replica_of(cluster.master_of(stream))
     sync = Client(url, "echo", cluster=True)
     reply_to = sync.new_reply_key()

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import redis
 
-from producer import Client, protocol
+from producer import Client
 from producer.replicas import ReplicaCount
+from producer.shards import key_slot, shard_answered_key, shard_stream_key, shard_token_stream_key
 from tests.cluster_rig import ClusterRig, cluster, cluster_worker, flush, paused
 from tests.conftest import wait_until
 from tests.test_cluster import worker_process
@@ -66,7 +67,7 @@ def complete_text(client: Any, key: str) -> str:
 
 
 def pending_everywhere(client: Client, count: int) -> int:
-    return sum(client.redis.xpending(protocol.shard_stream_key("redbatch", "causal_lm", s),
+    return sum(client.redis.xpending(shard_stream_key("redbatch", "causal_lm", s),
                                      "workers")["pending"] for s in range(count))
 
 
@@ -81,7 +82,7 @@ def test_generation_streams_on_a_cluster(rig: ClusterRig, tiny_path: Path) -> No
         quiet = client.submit({"prompt": PROMPTS[0], "stream": False})
         keys = [client.token_stream_key(i) for i in own]
         assert all("{causal_lm:" in k for k in keys)  # each in its shard's slot
-        assert len({protocol.key_slot(k) for k in foreign}) > 1
+        assert len({key_slot(k) for k in foreign}) > 1
         wait_until(lambda: all(is_done(client.redis, k) for k in keys + foreign), 60,
                    "every done entry")
         assert client.result(quiet, timeout=30)["text"] == complete_text(client.redis, keys[0])
@@ -154,11 +155,11 @@ def test_a_done_entry_and_its_ack_wait_for_the_shard_s_replica(rig: ClusterRig) 
     from worker.streams.token_streams import Chunk, FinalChunk, TokenStreams
 
     with redis.RedisCluster.from_url(rig.url()) as client:
-        stream = protocol.shard_stream_key("redbatch", "lm", 0)
+        stream = shard_stream_key("redbatch", "lm", 0)
 
         def token_streams(replicas: ReplicaCount) -> TokenStreams:
             return TokenStreams(client, stream, "workers", "me", 60000,
-                                protocol.shard_answered_key("redbatch", "lm", 0), "lm",
+                                shard_answered_key("redbatch", "lm", 0), "lm",
                                 replicas)
 
         client.xgroup_create(stream, "workers", id="0", mkstream=True)
@@ -167,7 +168,7 @@ def test_a_done_entry_and_its_ack_wait_for_the_shard_s_replica(rig: ClusterRig) 
         def finish_one(streams: TokenStreams, index: int) -> None:
             entry = client.xadd(stream, {"id": f"r{index}"}).decode()
             client.xreadgroup("workers", "me", {stream: ">"})
-            key = protocol.shard_token_stream_key("redbatch", "lm", 0, f"r{index}")
+            key = shard_token_stream_key("redbatch", "lm", 0, f"r{index}")
             assert streams.finish([FinalChunk(entry, Chunk(key, 1, b'{"type":"done"}'))]) == []
             assert client.xlen(key) == 1
 

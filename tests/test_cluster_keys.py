@@ -11,6 +11,19 @@ from redis.crc import key_slot as redis_key_slot
 
 from producer import protocol
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, ShardCycle, published_shards
+from producer.shards import (
+    check_cluster_names,
+    key_slot,
+    reply_marker_key,
+    shard_answered_key,
+    shard_dead_letter_key,
+    shard_lease_key,
+    shard_of_stream,
+    shard_reply_key,
+    shard_stream_key,
+    shard_submitted_key,
+    shard_token_stream_key,
+)
 from worker.streams.reader import Entry
 from worker.streams.shards import Localiser, by_shard, tagged, untagged
 
@@ -24,17 +37,17 @@ def names(rng: random.Random, count: int) -> list[str]:
 
 def shard_script_keys(ns: str, model: str, shard: int, request_id: str) -> dict[str, list[str]]:
     """The KEYS of each script run on one shard (worker and producer)."""
-    stream = protocol.shard_stream_key(ns, model, shard)
-    reply = protocol.shard_reply_key(ns, model, shard, request_id)
+    stream = shard_stream_key(ns, model, shard)
+    reply = shard_reply_key(ns, model, shard, request_id)
     return {
-        "ADD_ONCE": [stream, protocol.shard_submitted_key(ns, model, shard, request_id)],
+        "ADD_ONCE": [stream, shard_submitted_key(ns, model, shard, request_id)],
         "ADD_IF_UNDER / BACKLOG / CLAIM / TRIM / idle consumers": [stream],
-        "REPLY_AND_ACK": [stream, protocol.shard_answered_key(ns, model, shard), reply],
-        "MOVE_TO_DEAD": [stream, protocol.shard_dead_letter_key(ns, model, shard), reply],
-        "REQUEUE": [protocol.shard_dead_letter_key(ns, model, shard), stream],
-        "lease": [protocol.shard_lease_key(ns, model, shard, "upkeep"), stream],
+        "REPLY_AND_ACK": [stream, shard_answered_key(ns, model, shard), reply],
+        "MOVE_TO_DEAD": [stream, shard_dead_letter_key(ns, model, shard), reply],
+        "REQUEUE": [shard_dead_letter_key(ns, model, shard), stream],
+        "lease": [shard_lease_key(ns, model, shard, "upkeep"), stream],
         "FINISH_AND_ACK / KEEP_ALIVE (generative)": [
-            stream, protocol.shard_answered_key(ns, model, shard),
+            stream, shard_answered_key(ns, model, shard),
             protocol.token_stream_key(ns, request_id, reply)],
     }
 
@@ -57,9 +70,9 @@ def test_every_script_of_a_shard_stays_in_one_slot() -> None:
 
 
 def test_a_shard_s_default_reply_stream_is_its_reply_key_s_twin() -> None:
-    reply = protocol.shard_reply_key("redbatch", "lm", 3, "r1")
+    reply = shard_reply_key("redbatch", "lm", 3, "r1")
     assert protocol.token_stream_key("redbatch", "r1", reply) == \
-        protocol.shard_token_stream_key("redbatch", "lm", 3, "r1") == "redbatch:stream:{lm:3}:r1"
+        shard_token_stream_key("redbatch", "lm", 3, "r1") == "redbatch:stream:{lm:3}:r1"
     assert protocol.token_stream_key("redbatch", "r1") == "redbatch:stream:r1"
     assert protocol.token_stream_key("redbatch", "r1", "mine") == "mine"
     assert protocol.token_stream_key("redbatch", "r1", "redbatch:reply:{a}:{b}:r1") == \
@@ -69,28 +82,28 @@ def test_a_shard_s_default_reply_stream_is_its_reply_key_s_twin() -> None:
 def test_our_key_slot_is_redis_pys() -> None:
     rng = random.Random(7)
     for key in [*names(rng, 2000), "{}", "{a}", "a{}b{c}", "é{x}"]:
-        assert protocol.key_slot(key) == redis_key_slot(key.encode())
+        assert key_slot(key) == redis_key_slot(key.encode())
 
 
 def test_a_foreign_reply_marker_is_in_its_reply_keys_slot() -> None:
     rng = random.Random(3)
     for reply_to in [*names(rng, 500), "redbatch:reply:shared", "{x}}", "a}b", "}{"]:
-        marker = protocol.reply_marker_key("redbatch", reply_to, "redbatch:requests:{e:1}:1-0")
+        marker = reply_marker_key("redbatch", reply_to, "redbatch:requests:{e:1}:1-0")
         assert redis_key_slot(marker.encode()) == redis_key_slot(reply_to.encode())
 
 
 def test_shards_spread_over_the_slots() -> None:
-    slots = {protocol.key_slot(protocol.shard_stream_key("redbatch", "echo", s))
+    slots = {key_slot(shard_stream_key("redbatch", "echo", s))
              for s in range(6)}
     assert len(slots) == 6
 
 
 def test_braces_in_the_namespace_or_model_are_refused() -> None:
     """`}m` would make the tag `{}m:0}` empty: each key would hash whole, in its own slot."""
-    protocol.check_cluster_names("redbatch", "echo")
+    check_cluster_names("redbatch", "echo")
     for namespace, model in (("red{batch}", "echo"), ("redbatch", "}m"), ("redbatch", "a{b")):
         with pytest.raises(ValueError, match="may not contain"):
-            protocol.check_cluster_names(namespace, model)
+            check_cluster_names(namespace, model)
 
 
 def test_the_cycle_goes_round_from_a_random_start() -> None:
@@ -114,5 +127,5 @@ def test_sharded_ids_and_default_reply_keys() -> None:
     assert mine.id == "1-0@3" and mine.fields is not None
     assert mine.fields[b"reply_to"] == b"redbatch:reply:{echo:3}:r1"
     assert theirs.fields is not None and theirs.fields[b"reply_to"] == b"shared"
-    assert protocol.shard_of_stream("redbatch:requests:{echo:3}") == 3
-    assert protocol.shard_of_stream("redbatch:requests:echo") is None
+    assert shard_of_stream("redbatch:requests:{echo:3}") == 3
+    assert shard_of_stream("redbatch:requests:echo") is None

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import redis
 
-from producer import connection, protocol
+from producer import connection
+from producer.shards import key_slot, shard_reply_key, shard_stream_key
 from tests.cluster_rig import ClusterRig, cluster, flush, paused
 from tests.conftest import wait_until
 from worker.observe import metrics
@@ -48,21 +49,21 @@ def pending_everywhere(client: Any, foreign_key: str | None = None) -> list[Repl
     reply key (the second of each shard to `foreign_key`, in some other slot, if given)."""
     replies = []
     for shard in range(SHARDS):
-        stream = protocol.shard_stream_key("redbatch", "echo", shard)
+        stream = shard_stream_key("redbatch", "echo", shard)
         client.xgroup_create(stream, "workers", id="0", mkstream=True)
         for n in range(2):
             client.xadd(stream, {"n": n})
         [[_, entries]] = client.xreadgroup("workers", CONSUMER, {stream: ">"})
         for n, (entry_id, _) in enumerate(entries):
             raw = entry_id.decode()
-            key = protocol.shard_reply_key("redbatch", "echo", shard, f"req-{shard}-{n}")
+            key = shard_reply_key("redbatch", "echo", shard, f"req-{shard}-{n}")
             replies.append(Reply(tagged(raw, shard), foreign_key if n and foreign_key else key,
                                  f"{shard}:{raw}".encode()))
     return replies
 
 
 def pending(client: Any, shard: int) -> int:
-    stream = protocol.shard_stream_key("redbatch", "echo", shard)
+    stream = shard_stream_key("redbatch", "echo", shard)
     return int(client.xpending(stream, "workers")["pending"])
 
 
@@ -120,12 +121,12 @@ def migrating(rig: ClusterRig, shard: int) -> Any:
 
     @contextmanager
     def block() -> Any:
-        stream = protocol.shard_stream_key("redbatch", "echo", shard)
+        stream = shard_stream_key("redbatch", "echo", shard)
         source = rig.master_of(stream)
         target = next(m for m in rig.masters() if m.port != source.port)
         with target.client() as other:
             target_id = other.execute_command("CLUSTER", "MYID").decode()
-        slot = protocol.key_slot(stream)
+        slot = key_slot(stream)
         with source.client() as master:
             master.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
             try:

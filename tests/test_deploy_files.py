@@ -37,6 +37,7 @@ from prometheus_client import REGISTRY
 
 import worker.observe.metrics  # noqa: F401  (registers the metrics)
 from producer import protocol
+from producer.shards import default_shards, shard_stream_key, shards_key
 from worker.cli import COMMANDS
 from worker.observe.endpoints import router
 from worker.settings import Settings, load_settings
@@ -1056,7 +1057,7 @@ def test_cluster_triggers_are_the_shard_streams() -> None:
     triggers = scaled["spec"]["triggers"]
     assert {t["type"] for t in triggers} == {"redis-cluster-streams"}
     assert [t["metadata"]["stream"] for t in triggers] == [
-        protocol.shard_stream_key(settings.namespace, settings.model_name, shard)
+        shard_stream_key(settings.namespace, settings.model_name, shard)
         for shard in range(shards)]
     assert {t["metadata"]["consumerGroup"] for t in triggers} == {settings.group}
     single = next(t["metadata"] for t in manifests()["ScaledObject"]["spec"]["triggers"]
@@ -1072,8 +1073,8 @@ def test_cluster_triggers_are_the_shard_streams() -> None:
     assert modifier["target"] == single["lagCount"] and modifier["metricType"] == "AverageValue"
     assert modifier["activationTarget"] == single["activationLagCount"]
     text = (ROOT / KEDA_VARIANTS["cluster"]).read_text()
-    assert f"GET {protocol.shards_key(settings.namespace, settings.model_name)}" in text
-    assert f"{protocol.default_shards(3)} for 3 masters" in text
+    assert f"GET {shards_key(settings.namespace, settings.model_name)}" in text
+    assert f"{default_shards(3)} for 3 masters" in text
 
 
 def test_sentinel_triggers_are_the_single_redis_ones(monkeypatch: pytest.MonkeyPatch) -> None:

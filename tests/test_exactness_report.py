@@ -1,5 +1,6 @@
-"""bench/exactness.py's difference report on the tiny model: a forced difference (a reference
-token changed) is reported with both tokens' text, through the tokenizer, and rendered."""
+"""bench/generative/exactness.py's difference report on the tiny model: a forced difference
+(a reference token changed) is reported with both tokens' text, through the tokenizer, and
+rendered."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def test_a_forced_difference_is_reported_with_both_tokens_text(tmp_path: Path) -> None:
-    from bench.continuous import RecordingEngine, Request, serve
-    from bench.exactness import CPU, compare, markdown, noise, reference, summary
+    from bench.generative.continuous import RecordingEngine, Request, serve
+    from bench.generative.exactness import CPU, compare, markdown, noise, reference, summary
     from worker.models.generative import CausalLM
     from worker.policy.decoding import SchedulerLimits
 

@@ -212,7 +212,7 @@ def test_the_host_path_benchmark_runs() -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "bench.host_path", "--requests", "150",
+    done = subprocess.run([sys.executable, "-m", "bench.throughput.host_path", "--requests", "150",
                            "--rounds", "1", "--encoding", "float32"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""`python -m bench.latency_bench` for G2, G4 and G5: the goals' loads and rules without
+"""`python -m bench.latency.live` for G2, G4 and G5: the goals' loads and rules without
 processes, then a seconds-long run on real worker processes (it measures nothing)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from bench.cluster import Workers
-from bench.drifting import DriftingMiniLM, drift_sleep_s
-from bench.latency_bench_goals import (
+from bench.common.processes import Workers
+from bench.latency.live.drifting import DriftingMiniLM, drift_sleep_s
+from bench.latency.live.goals import (
     COST,
     DRIFT_FACTOR,
     ECHO_DEVICE,
@@ -26,8 +26,8 @@ from bench.latency_bench_goals import (
     goals,
     sized_payload,
 )
-from bench.latency_bench_report import g4_settled, g5_met, render
-from bench.latency_open_loop import Sample, refusals
+from bench.latency.live.open_loop import Sample, refusals
+from bench.latency.live.report import g4_settled, g5_met, render
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def test_minilm_drifts_as_the_plugin_that_keeps_its_stream() -> None:
     g4 = goals(100.0, 2.0, ["G4"], device=MINILM_DEVICE)[0]
     sent_at, _ = g4.arrivals(seed=1)
     settings = g4.settings(MINILM_COST, 30, sent_at, MINILM_DEVICE)
-    assert settings["model"] == "bench.drifting:DriftingMiniLM"
+    assert settings["model"] == "bench.latency.live.drifting:DriftingMiniLM"
     assert settings["model_name"] == "minilm"  # the stream key of every other goal
     assert settings["model_options"] == {
         "drift_after_requests": 30 + sum(1 for at in sent_at if at < 2.0),
@@ -113,7 +113,7 @@ def test_the_drifting_minilm_counts_reads_and_keeps_the_encoders_results(
     items += [drifting.prepare(t, 0) for t in texts[1:]]
     assert drifting.drifted and drifting.read == 2
     slept: list[float] = []
-    monkeypatch.setattr("bench.drifting.time.sleep", slept.append)
+    monkeypatch.setattr("bench.latency.live.drifting.time.sleep", slept.append)
     with torch.inference_mode():
         got = drifting.forward(drifting.collate(items))
         want = plain.forward(plain.collate([plain.prepare(t, 0) for t in texts]))
@@ -149,11 +149,11 @@ def test_g3_counts_the_refusals_within_its_bar() -> None:
 
 
 def run_benchmark(tmp_path: Path, *args: str) -> dict[str, Any]:
-    """`python -m bench.latency_bench` with 2 s phases in a subprocess; its JSON."""
+    """`python -m bench.latency.live` with 2 s phases in a subprocess; its JSON."""
     out = tmp_path / "goals.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "bench.latency_bench", "--phase-s", "2", "--paced-warmup",
+        [sys.executable, "-m", "bench.latency.live", "--phase-s", "2", "--paced-warmup",
          "--reply-timeout-s", "10", "--out", str(out), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -181,7 +181,7 @@ def test_minilm_requests_have_exactly_their_token_length() -> None:
     import msgpack
     import torch
 
-    from bench.latency_bench_goals import text_payload
+    from bench.latency.live.goals import text_payload
     from worker.models.minilm import MiniLMModel
 
     model = MiniLMModel()
@@ -205,7 +205,7 @@ def test_g4_runs_on_the_real_minilm_encoder(tmp_path: Path) -> None:
 
 
 def test_the_sweep_for_c_takes_its_shares_from_the_command_line() -> None:
-    from bench.latency_bench import SHARES, parser
+    from bench.latency.live.run import SHARES, parser
 
     assert parser().parse_args([]).shares == SHARES
     assert parser().parse_args(["--shares", "0.62,0.64"]).shares == (0.62, 0.64)
@@ -215,7 +215,7 @@ def test_the_sweep_for_c_takes_its_shares_from_the_command_line() -> None:
 
 
 def test_instances_apply_to_every_configuration_and_default_to_the_devices() -> None:
-    from bench.latency_bench import chosen_device, parser
+    from bench.latency.live.run import chosen_device, parser
 
     assert chosen_device(parser().parse_args(["--model", "minilm"])).base["instances"] == "auto"
     assert chosen_device(parser().parse_args([])).base["instances"] == 2
@@ -225,7 +225,7 @@ def test_instances_apply_to_every_configuration_and_default_to_the_devices() -> 
 
 
 def test_instances_below_one_are_refused_with_one_line(capsys) -> None:  # type: ignore[no-untyped-def]
-    from bench.latency_bench import parser
+    from bench.latency.live.run import parser
 
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit):
@@ -234,7 +234,7 @@ def test_instances_below_one_are_refused_with_one_line(capsys) -> None:  # type:
 
 
 def test_a_capacity_of_zero_or_less_is_refused_with_one_line(capsys) -> None:  # type: ignore[no-untyped-def]
-    from bench.latency_bench import parser
+    from bench.latency.live.run import parser
 
     for bad in ("0", "-3", "fast"):
         with pytest.raises(SystemExit):
@@ -246,7 +246,7 @@ def test_a_sweep_that_holds_no_share_runs_no_goal(tmp_path: Path, monkeypatch,  
                                                   capsys) -> None:
     """Every goal's load is a share of C, so with C = 0 the benchmark says so and stops,
     with the sweep in its JSON, instead of sending nothing to every configuration."""
-    import bench.latency_bench as latency_bench
+    import bench.latency.live.run as latency_bench
 
     sweep = {"saturated_per_s": 193.6, "shares_held": {},
              "worst_window_p99_ms": {"static wait 0 batch 32": {"0.8": 412.0}}}
@@ -259,7 +259,7 @@ def test_a_sweep_that_holds_no_share_runs_no_goal(tmp_path: Path, monkeypatch,  
 
 
 def test_rounds_give_each_configuration_its_median_and_g2_reads_the_median_ratio() -> None:
-    from bench.latency_bench_report import round_rows
+    from bench.latency.live.report import round_rows
 
     def rows(redbatch: float, static: float) -> dict[str, Any]:
         return {"redbatch": {"p50_ms": redbatch, "p99_ms": 2 * redbatch},

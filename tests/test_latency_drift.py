@@ -1,10 +1,10 @@
-"""bench.latency_drift: G4 over seeds on a chosen device (the simulator: seeded, no clock)."""
+"""bench.latency.sim.drift: G4 over seeds on a chosen device (the simulator: seeded, no clock)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.latency_drift import main, policies, scenario, sweep
+from bench.latency.sim.drift import main, policies, scenario, sweep
 
 SEEDS = [1, 2]
 

@@ -1,9 +1,9 @@
 """The worker's decisions per 10 s window, as `--sample-metrics` records them: differences
-between the /metrics snapshots at each window's ends (bench/latency_metrics.py)."""
+between the /metrics snapshots at each window's ends (bench/latency/live/metrics.py)."""
 
 from __future__ import annotations
 
-from bench.latency_metrics import per_window
+from bench.latency.live.metrics import per_window
 
 START = 1_000_000.0  # the wall-clock time the arrivals began
 

@@ -1,12 +1,12 @@
-"""The latency-target goals on the simulator (bench/simulate.py): the real Batcher and
+"""The latency-target goals on the simulator (bench/latency/sim/simulate.py): the real Batcher and
 policy on a simulated clock, seeded. Each runs minutes of traffic in seconds."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.latency_goals import MINILM, Scenario, capacity
-from bench.latency_report import drift, light_load, overload, step_load
+from bench.latency.sim.goals import MINILM, Scenario, capacity
+from bench.latency.sim.report import drift, light_load, overload, step_load
 
 PHASE_S = 30.0
 SEED = 7

@@ -19,9 +19,9 @@ from prometheus_client import REGISTRY
 
 from producer import Client, protocol
 from worker.cli import main
+from worker.commands.readiness import Readiness
+from worker.commands.sampler import Sampler
 from worker.observe.endpoints import start_server
-from worker.observe.health import Readiness
-from worker.observe.sampler import Sampler
 from worker.streams.queue_stats import (
     RateMeter,
     count_undelivered,

@@ -132,8 +132,8 @@ def test_json_logs_turn_progress_bars_off(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_a_taken_metrics_port_gets_a_hint() -> None:
     from worker.app import StartupError
+    from worker.commands.readiness import Readiness
     from worker.commands.run import serve_metrics
-    from worker.observe.health import Readiness
     from worker.settings import load_settings
 
     with socket.socket() as taken:

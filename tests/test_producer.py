@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 
 from producer import AsyncClient, Client, RequestFailed, ResultTimeout, protocol
-from producer import client as client_module
+from producer import request_base as client_module
 from producer.protocol import JSON, MSGPACK
 
 STREAM = "redbatch:requests:echo"

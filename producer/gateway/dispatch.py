@@ -23,9 +23,10 @@ import redis.asyncio as aioredis
 
 from producer import connection, protocol
 from producer.async_client import AsyncClient
-from producer.client import PIPELINE_CHUNK, Overloaded, block_slices, new_request_id
+from producer.errors import Overloaded
 from producer.gateway import errors
 from producer.gateway.metrics import FOREIGN_ENVELOPES
+from producer.request_base import PIPELINE_CHUNK, block_slices, new_request_id
 
 
 class Dispatcher:

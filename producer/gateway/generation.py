@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from producer import protocol
-from producer.client import Overloaded, block_slices
+from producer.errors import Overloaded
 from producer.gateway import errors, jsonio
 from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
@@ -40,6 +40,7 @@ from producer.gateway.generation_shapes import (
     usage_chunk,
 )
 from producer.gateway.metrics import FOREIGN_ENVELOPES
+from producer.request_base import block_slices
 
 Entry = tuple[str, dict[str, Any]]
 Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel

@@ -11,9 +11,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from producer import connection, protocol
+from producer import connection
 from producer.backlog import published_shards
 from producer.protocol import dead_letter_key, stream_key
+from producer.shards import shard_dead_letter_key, shard_stream_key, shards_key
 from worker.app import connect
 from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetter, list_dead_letters, requeue_dead_letters
@@ -54,6 +55,6 @@ def dead_letter_queues(client: Any, namespace: str,
     """(dead-letter stream, request stream) per shard; {None: ...} on a single Redis."""
     if not connection.is_cluster_client(client):
         return {None: (dead_letter_key(namespace, model), stream_key(namespace, model))}
-    count = published_shards(client.get(protocol.shards_key(namespace, model))) or 0
-    return {s: (protocol.shard_dead_letter_key(namespace, model, s),
-                protocol.shard_stream_key(namespace, model, s)) for s in range(count)}
+    count = published_shards(client.get(shards_key(namespace, model))) or 0
+    return {s: (shard_dead_letter_key(namespace, model, s),
+                shard_stream_key(namespace, model, s)) for s in range(count)}

@@ -17,10 +17,10 @@ from types import FrameType
 import structlog
 
 from worker.app import StartupError, build_worker, connect
+from worker.commands.readiness import Readiness
+from worker.commands.sampler import Sampler
 from worker.observe import metrics
-from worker.observe.health import Readiness
 from worker.observe.progress import ProgressLog
-from worker.observe.sampler import Sampler
 from worker.pipeline.worker import Worker
 from worker.settings import Settings
 from worker.streams.target import redis_url

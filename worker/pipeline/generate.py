@@ -30,6 +30,7 @@ from worker.execution.generation import GenerationEngine
 from worker.execution.sampling import Delta
 from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
+from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import Grace, RedisRetry
@@ -42,7 +43,6 @@ from worker.pipeline.token_answers import (
 from worker.policy.batching import Batcher, Pending
 from worker.policy.decoding import DecodingScheduler, SeqState, StepPlan
 from worker.policy.flow import entry_time_ms, is_past_deadline
-from worker.streams.sharding import AnyTokenStreams
 from worker.streams.token_streams import Chunk, Progress
 
 log = structlog.get_logger("redbatch.worker")
@@ -73,7 +73,7 @@ class Live:
 class GenerateLoop:
     def __init__(self, config: GenerateConfig, engine: GenerationEngine,
                  scheduler: DecodingScheduler, batcher: Batcher, inflight: InFlight,
-                 answers: AnswerQueue, grace: Grace, streams: AnyTokenStreams,
+                 answers: AnswerQueue, grace: Grace, streams: ports.TokenStreams,
                  retry: RedisRetry) -> None:
         self.config = config
         self.engine, self.scheduler, self.batcher = engine, scheduler, batcher

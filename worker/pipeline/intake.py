@@ -23,6 +23,7 @@ from producer.entry_rules import EntryRules
 from producer.protocol import ErrorCode, InvalidEntry, Request
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.observe import metrics
+from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer, refused_answer
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.reply import ReadTimeAnswers
@@ -33,7 +34,6 @@ from worker.policy.flow import claims_first, is_past_deadline
 from worker.policy.targeted import TargetedDispatch
 from worker.streams.id_claims import Claim, IdClaims
 from worker.streams.reader import Entry
-from worker.streams.sharding import AnyDeadLetters, AnyReader, AnyReclaimer, AnyReplier
 
 log = structlog.get_logger("redbatch.worker")
 
@@ -57,8 +57,8 @@ class IntakeConfig:
 
 
 class Intake:
-    def __init__(self, config: IntakeConfig, model: Model, reader: AnyReader,
-                 reclaimer: AnyReclaimer, dead_letters: AnyDeadLetters, replier: AnyReplier,
+    def __init__(self, config: IntakeConfig, model: Model, reader: ports.Reader,
+                 reclaimer: ports.Reclaims, dead_letters: ports.DeadLetters, replier: ports.Replies,
                  batcher: Batcher, inflight: InFlight, answers: AnswerQueue,
                  retry: RedisRetry, targeted: TargetedDispatch, ids: IdClaims) -> None:
         """`targeted`: predicts, at read time, whether a request can still be served in time;

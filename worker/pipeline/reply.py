@@ -21,25 +21,24 @@ import structlog
 from producer import protocol
 from producer.protocol import ErrorCode
 from worker.observe import metrics
+from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue
 from worker.pipeline.encoding import encode_envelope
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.retry import RedisRetry, ShutdownExpired
 from worker.policy.flow import end_to_end_s
 from worker.policy.latency import LatencyPolicy
-from worker.streams.replier import Replier, Reply
-from worker.streams.shard_replies import ShardedReplier
-from worker.streams.sharding import AnyReplier, AnyTokenStreams
+from worker.streams.replier import Reply
 from worker.streams.token_streams import Chunk, FinalChunk
 
 log = structlog.get_logger("redbatch.worker")
 
 
 class ReplyWriter:
-    def __init__(self, model_name: str, replier: AnyReplier, inflight: InFlight,
+    def __init__(self, model_name: str, replier: ports.Replies, inflight: InFlight,
                  answers: AnswerQueue, retry: RedisRetry,
                  latency: LatencyPolicy | None = None,
-                 streams: AnyTokenStreams | None = None) -> None:
+                 streams: ports.TokenStreams | None = None) -> None:
         """`latency`: with a latency target, told each answer's end-to-end time.
         `streams`: a generative model's reply streams, for answers with a stream_index."""
         self.model_name = model_name
@@ -58,7 +57,6 @@ class ReplyWriter:
         while self.deferred:
             if self.retry.grace.left() <= 0:
                 raise ShutdownExpired
-            assert isinstance(self.replier, ShardedReplier)
             time.sleep(self.replier.next_retry_s())
             self.write([])
 
@@ -89,14 +87,13 @@ class ReplyWriter:
 
     def _send(self, replies: list[Reply]) -> tuple[set[str], set[str]]:
         """(dropped, deferred) entry ids; only a sharded replier defers."""
-        if isinstance(self.replier, ShardedReplier):
+        if self.replier.defers:
             dropped, deferred = self.retry(self.replier.send_available, replies)
             return set(dropped), set(deferred)
         return set(self.retry(self.replier.send, replies)), set()
 
     def _defer(self, answers: list[Answer]) -> None:
         """Hold these answers (still in flight) and wake the thread when they are due."""
-        assert isinstance(self.replier, ShardedReplier)
         self.deferred = answers
         timer = threading.Timer(self.replier.next_retry_s(), self.answers.put, args=([],))
         timer.daemon = True
@@ -124,7 +121,7 @@ class ReadTimeAnswers:
     shard's answers, state only the reply thread keeps) and for a generative model's
     reply streams they still go through the reply thread."""
 
-    def __init__(self, model_name: str, replier: AnyReplier, inflight: InFlight,
+    def __init__(self, model_name: str, replier: ports.Replies, inflight: InFlight,
                  answers: AnswerQueue, retry: RedisRetry) -> None:
         self.model_name = model_name
         self.replier = replier
@@ -133,14 +130,13 @@ class ReadTimeAnswers:
         self.retry = retry
 
     def write(self, answers: list[Answer]) -> None:
-        direct = isinstance(self.replier, Replier)
+        direct = not self.replier.defers
         now = [a for a in answers if direct and not a.stream_index]
         later = [a for a in answers if not direct or a.stream_index]
         if later:
             self.answers.put(later)
         if not now:
             return
-        assert isinstance(self.replier, Replier)
         dropped = set(self.retry(self.replier.send, [encode(a) for a in now]))
         if dropped:
             metrics.DROPPED_REPLIES.labels(self.model_name).inc(len(dropped))

@@ -26,6 +26,7 @@ from worker.execution.generation import GenerationEngine
 from worker.execution.runner import BatchRunner
 from worker.models.base import Model
 from worker.observe import metrics
+from worker.pipeline import ports
 from worker.pipeline.answers import AnswerQueue
 from worker.pipeline.compute import ComputeConfig, ComputeLoop
 from worker.pipeline.generate import GenerateConfig, GenerateLoop
@@ -43,13 +44,6 @@ from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
 from worker.streams.id_claims import IdClaims
 from worker.streams.maintenance import Maintenance
-from worker.streams.sharding import (
-    AnyDeadLetters,
-    AnyReader,
-    AnyReclaimer,
-    AnyReplier,
-    AnyTokenStreams,
-)
 
 log = structlog.get_logger("redbatch.worker")
 
@@ -60,17 +54,17 @@ class GenerationParts:
 
     engine: GenerationEngine
     scheduler: DecodingScheduler
-    streams: AnyTokenStreams
+    streams: ports.TokenStreams
 
 
 @dataclass(frozen=True)
 class Parts:
     """Everything the worker wires together, built by the composition root (app.py)."""
 
-    reader: AnyReader  # on a Redis Cluster, the sharded twins (streams/sharding.py)
-    replier: AnyReplier
-    reclaimer: AnyReclaimer
-    dead_letters: AnyDeadLetters
+    reader: ports.Reader  # on a Redis Cluster, the sharded twins (streams/shards.py)
+    replier: ports.Replies
+    reclaimer: ports.Reclaims
+    dead_letters: ports.DeadLetters
     maintenance: Maintenance
     batcher: Batcher
     governor: Governor

@@ -4,7 +4,7 @@ batch and moves the batch cap or the wait; none refuses a request, none looks ah
 (Baseline 5, BentoML's CorkDispatcher, decides each dispatch and refuses: it is a
 dispatch rule, cork.py; `dispatch_rule` below plugs it into the Batcher.)
 
-One implementation runs in the simulator (bench/baselines.py) and in the worker
+One implementation runs in the simulator (bench/latency/sim/baselines.py) and in the worker
 (`batch_controller`): they are there for comparison, not as recommended modes. In the
 worker a new limit holds from the batch after next (a compute loop takes batch N+1 while
 N runs). Pure policy, like batching.py: service times and latencies are passed in, as ms.

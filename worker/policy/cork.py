@@ -7,8 +7,8 @@ the target (n: the queue's length; the last one is kept); wait while n < cap and
 n·(age of the newest + a) ≤ 0.95 × the mean wait (an EWMA of the oldest member's age at
 dispatch); otherwise dispatch up to cap, the oldest first.
 
-`CorkRule` is the one implementation, run by the simulator (bench/baselines.py) and by the
-worker (`batch_controller = "cork"`, through `CorkDispatch`). Pure, like the rest of
+`CorkRule` is the one implementation, run by the simulator (bench/latency/sim/baselines.py)
+and by the worker (`batch_controller = "cork"`, through `CorkDispatch`). Pure, like the rest of
 policy/: times are passed in, as ms.
 """
 

@@ -19,6 +19,7 @@ import structlog
 from producer import protocol
 from producer.entry_rules import EntryRules
 from producer.protocol import ErrorCode, InvalidEntry
+from producer.shards import key_slot
 from worker.observe import metrics
 from worker.streams.reader import Entry, Fields, as_text, is_group_lost
 from worker.streams.replier import Reply, wrong_type
@@ -220,7 +221,7 @@ class DeadLetters:
         and a key in another slot is pushed once by ForeignReplies instead."""
         if self.foreign is None:
             return key
-        if key and protocol.key_slot(key) != protocol.key_slot(self.stream):
+        if key and key_slot(key) != key_slot(self.stream):
             foreign.append(Reply(entry_id, key, envelope))
             return self.stream
         return key or self.stream

@@ -17,6 +17,7 @@ import redis
 
 from producer import connection, protocol
 from producer.backlog import BACKLOG, published_shards
+from producer.shards import shard_answered_key, shard_dead_letter_key, shard_stream_key, shards_key
 from worker.streams.reader import as_text
 
 LAG_COUNT_CAP = 100_000
@@ -99,10 +100,10 @@ def read_stream_stats(client: redis.Redis, namespace: str, model: str,
 
 
 def read_sharded_stats(client: Any, namespace: str, model: str, group: str) -> StreamStats:
-    count = published_shards(client.get(protocol.shards_key(namespace, model))) or 0
-    parts = [_read(client, model, group, protocol.shard_stream_key(namespace, model, s),
-                   protocol.shard_answered_key(namespace, model, s),
-                   protocol.shard_dead_letter_key(namespace, model, s),
+    count = published_shards(client.get(shards_key(namespace, model))) or 0
+    parts = [_read(client, model, group, shard_stream_key(namespace, model, s),
+                   shard_answered_key(namespace, model, s),
+                   shard_dead_letter_key(namespace, model, s),
                    protocol.workers_key(namespace, model)) for s in range(count)]
     consumers: dict[str, ConsumerStats] = {}
     for part in parts:
@@ -112,7 +113,7 @@ def read_sharded_stats(client: Any, namespace: str, model: str, group: str) -> S
                 known, pending=known.pending + c.pending, idle_ms=min(known.idle_ms, c.idle_ms),
                 live=known.live or c.live)
     shards = [ShardStats(s, client.get_node_from_key(
-        protocol.shard_stream_key(namespace, model, s)).name, p.length, p.lag, p.pending,
+        shard_stream_key(namespace, model, s)).name, p.length, p.lag, p.pending,
         p.dead_letters) for s, p in enumerate(parts)]
     return StreamStats(model, sum(p.length for p in parts), sum(p.lag for p in parts),
                        sum(p.pending for p in parts), sum(p.answered for p in parts),

@@ -161,8 +161,16 @@ class Replier:
         self.ttl_ms = ttl_ms
         self.model_name = model_name or stream.rpartition(":")[2]
         self.replicas = replicas or ReplicaCount(0)
+        self.defers = False  # see ShardedReplier
         self._writes = ReplicatedScript(client, stream, REPLY_AND_ACK, self.model_name,
                                         self.replicas)
+
+    def send_available(self, replies: Sequence[Reply]) -> tuple[list[str], list[str]]:
+        """(dropped ids, deferred ids): one Redis defers nothing (its faults are retried)."""
+        return self.send(replies), []
+
+    def next_retry_s(self) -> float:
+        return 0.0
 
     def send(self, replies: Sequence[Reply]) -> list[str]:
         """Answer and ack atomically; returns the entry ids dropped as no longer ours."""

@@ -6,7 +6,7 @@ with the ack by the shard's Replier, in one script, as on a single Redis. A clie
 pending list. It is written in two steps:
 
 1. PUSH_ONCE, on the reply key's node: `SET NX PX` of an idempotence marker in the reply
-   key's slot (protocol.reply_marker_key, named by the shard's stream and the entry id),
+   key's slot (reply_marker_key, named by the shard's stream and the entry id),
    and LPUSH + PEXPIRE only if the marker was new;
 2. the shard's ownership-checked reply-and-ack script, acking that entry without a push.
 
@@ -25,8 +25,9 @@ from typing import Any
 import redis
 import structlog
 
-from producer import connection, protocol
+from producer import connection
 from producer.replicas import ReplicaCount
+from producer.shards import key_slot, reply_marker_key
 from worker.observe import metrics
 from worker.policy.backoff import backoff_delays
 from worker.streams.replier import Replier, Reply, script_then_wait
@@ -76,11 +77,11 @@ class ForeignReplies:
         """Push each reply once (replies carry the stream's own entry ids)."""
         by_slot: dict[int, list[Reply]] = {}
         for reply in replies:
-            by_slot.setdefault(protocol.key_slot(reply.reply_key), []).append(reply)
+            by_slot.setdefault(key_slot(reply.reply_key), []).append(reply)
         for group in by_slot.values():
             keys: list[str] = []
             for reply in group:
-                keys += (protocol.reply_marker_key(self.namespace, reply.reply_key,
+                keys += (reply_marker_key(self.namespace, reply.reply_key,
                                                    f"{stream}:{reply.entry_id}"), reply.reply_key)
             undeliverable = self._write(keys, [self.ttl_ms, self.ttl_ms,
                                                *(r.envelope for r in group)])
@@ -133,8 +134,9 @@ class ShardedReplier:
     def __init__(self, repliers: Sequence[Replier], foreign: ForeignReplies) -> None:
         self.repliers = list(repliers)
         self.foreign = foreign
-        self.slots = [protocol.key_slot(r.stream) for r in repliers]
+        self.slots = [key_slot(r.stream) for r in repliers]
         self.stream = repliers[0].stream
+        self.defers = True  # a shard whose master fails is held back (send_available)
         # the replies of a call that failed on some shard, and what the others dropped: a
         # retry (RedisRetry passes the same list) writes only the shards not done yet
         self._partial: tuple[Sequence[Reply] | None, dict[int, list[str]]] = (None, {})
@@ -223,7 +225,7 @@ class ShardedReplier:
 
     def _send_shard(self, shard: int, group: list[Reply]) -> list[str]:
         replier = self.repliers[shard]
-        foreign = [r for r in group if protocol.key_slot(r.reply_key) != self.slots[shard]]
+        foreign = [r for r in group if key_slot(r.reply_key) != self.slots[shard]]
         if foreign:
             self.foreign.push(replier.stream, foreign)
             ack_only = {id(r) for r in foreign}

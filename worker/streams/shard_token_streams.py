@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from producer import protocol
+from producer.shards import key_slot
 from worker.streams.shards import by_shard, tagged, untagged
 from worker.streams.token_streams import (
     APPEND_DONE,
@@ -47,7 +47,7 @@ class ShardedTokenStreams:
     def __init__(self, shards: Sequence[TokenStreams], ttl_ms: int) -> None:
         self.shards = list(shards)
         self.ttl_ms = ttl_ms
-        self.slots = [protocol.key_slot(s.stream) for s in shards]
+        self.slots = [key_slot(s.stream) for s in shards]
         self.client: Any = shards[0].client
         self._done_elsewhere = self.client.register_script(DONE_ELSEWHERE)
 
@@ -72,7 +72,7 @@ class ShardedTokenStreams:
             per_shard.setdefault(shard, []).append(FinalChunk(raw, final.chunk))
         dropped: list[str] = []
         for shard, group in per_shard.items():
-            foreign = [f for f in group if protocol.key_slot(f.chunk.key) != self.slots[shard]]
+            foreign = [f for f in group if key_slot(f.chunk.key) != self.slots[shard]]
             self._write_elsewhere([f.chunk for f in foreign])
             ack_only = {id(f) for f in foreign}
             group = [FinalChunk(f.entry_id, Chunk(self.shards[shard].stream, 0, b""))
@@ -84,7 +84,7 @@ class ShardedTokenStreams:
         """Step 1: one script call per slot of the reply streams."""
         by_slot: dict[int, list[Chunk]] = {}
         for chunk in chunks:
-            by_slot.setdefault(protocol.key_slot(chunk.key), []).append(chunk)
+            by_slot.setdefault(key_slot(chunk.key), []).append(chunk)
         for group in by_slot.values():
             args: list[Any] = [self.ttl_ms]
             for chunk in group:

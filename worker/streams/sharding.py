@@ -16,6 +16,15 @@ import structlog
 from producer import connection, protocol
 from producer.backlog import published_shards
 from producer.replicas import ReplicaCount
+from producer.shards import (
+    check_cluster_names,
+    default_shards,
+    shard_answered_key,
+    shard_dead_letter_key,
+    shard_lease_key,
+    shard_stream_key,
+    shards_key,
+)
 from worker.settings import Settings
 from worker.streams.dead_letters import DeadLetters
 from worker.streams.reader import StreamReader
@@ -35,10 +44,10 @@ def resolve_shards(client: Any, namespace: str, model: str, wanted: int) -> int:
     masters, with SET NX). A larger `wanted` raises it (producers then spread wider, and
     workers started since read the new shards); a smaller one is ignored: entries in the
     shards above it would be stranded."""
-    key = protocol.shards_key(namespace, model)
+    key = shards_key(namespace, model)
     published = published_shards(client.get(key))
     if published is None:
-        client.set(key, wanted or protocol.default_shards(connection.master_count(client)),
+        client.set(key, wanted or default_shards(connection.master_count(client)),
                    nx=True)
         published = published_shards(client.get(key))
     elif wanted > published:
@@ -68,9 +77,9 @@ def sharded_parts(settings: Settings, client: Any,
     """The parts that talk to Redis, one per shard, wrapped as one (see the docstring)."""
     ns, name, group, consumer = (settings.namespace, settings.model_name, settings.group,
                                  settings.consumer)
-    protocol.check_cluster_names(ns, name)
+    check_cluster_names(ns, name)
     count = resolve_shards(client, ns, name, settings.shards)
-    streams = [protocol.shard_stream_key(ns, name, s) for s in range(count)]
+    streams = [shard_stream_key(ns, name, s) for s in range(count)]
     localise = Localiser(ns, name)
     replicas = ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms)
     reclaimers = [Reclaimer(client, stream, group, consumer, settings.claim_idle_ms, name)
@@ -78,7 +87,7 @@ def sharded_parts(settings: Settings, client: Any,
     foreign = ForeignReplies(client, ns, settings.result_ttl_ms, name, replicas)
     dead_letters = [dead_letters_of(settings, client, stream) for stream in streams]
     for shard, letters in enumerate(dead_letters):
-        letters.dead_stream = protocol.shard_dead_letter_key(ns, name, shard)
+        letters.dead_stream = shard_dead_letter_key(ns, name, shard)
         letters.foreign = foreign
     log.info("shards.serving", model=name, shards=count,
              masters=connection.master_count(client))
@@ -87,13 +96,13 @@ def sharded_parts(settings: Settings, client: Any,
                              localise),
         replier=ShardedReplier([Replier(
             client, stream, group, consumer, settings.result_ttl_ms,
-            protocol.shard_answered_key(ns, name, shard), name,
+            shard_answered_key(ns, name, shard), name,
             ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
             for shard, stream in enumerate(streams)], foreign),
         reclaimer=ShardedReclaimer(reclaimers, localise),
         dead_letters=ShardedDeadLetters(dead_letters, localise),
         maintenance=ShardedMaintenance(
-            client, reclaimers, [protocol.shard_lease_key(ns, name, s, "upkeep")
+            client, reclaimers, [shard_lease_key(ns, name, s, "upkeep")
                                  for s in range(count)], group, name,
             settings.maintenance_interval_s, settings.consumer_idle_ms, describe,
             protocol.workers_key(ns, name), protocol.models_key(ns),
@@ -106,9 +115,9 @@ def sharded_token_streams(settings: Settings, client: Any) -> ShardedTokenStream
     ns, name = settings.namespace, settings.model_name
     count = resolve_shards(client, ns, name, settings.shards)
     return ShardedTokenStreams(
-        [TokenStreams(client, protocol.shard_stream_key(ns, name, s), settings.group,
+        [TokenStreams(client, shard_stream_key(ns, name, s), settings.group,
                       settings.consumer, settings.result_ttl_ms,
-                      protocol.shard_answered_key(ns, name, s), name,
+                      shard_answered_key(ns, name, s), name,
                       ReplicaCount(settings.replicas_to_wait,
                                               settings.replicas_wait_ms))
          for s in range(count)],

@@ -1,4 +1,4 @@
-"""Redis Cluster: one logical queue read as N shard streams (protocol.shard_stream_key).
+"""Redis Cluster: one logical queue read as N shard streams (shard_stream_key).
 
 The pipeline above stays as it is: it sees entries whose ids carry their shard
 (`<ms>-<seq>@<shard>`, so ids of two streams never collide and `entry_time_ms` still reads
@@ -29,7 +29,8 @@ from collections.abc import Sequence
 
 import redis
 
-from producer import connection, protocol
+from producer import connection
+from producer.shards import shard_reply_key
 from worker.policy.backoff import backoff_delays
 from worker.streams.reader import Entry, StreamReader
 
@@ -67,7 +68,7 @@ class Localiser:
             entry.id = tagged(entry.id, shard)
             fields = entry.fields
             if fields is not None and fields.get(b"id"):
-                prefix = protocol.shard_reply_key(self.namespace, self.model, shard, "")
+                prefix = shard_reply_key(self.namespace, self.model, shard, "")
                 default = prefix.encode() + fields[b"id"]
                 entry.default_reply = default.decode(errors="replace")
                 fields.setdefault(b"reply_to", default)

@@ -1,0 +1,5 @@
+"""`python -m bench.dashboard`: the Grafana dashboard drawn from a real run."""
+
+from bench.dashboard.snapshot import main
+
+raise SystemExit(main())

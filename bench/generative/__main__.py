@@ -1,0 +1,5 @@
+"""`python -m bench.generative`: the generative benchmark."""
+
+from bench.generative.run import main
+
+raise SystemExit(main())

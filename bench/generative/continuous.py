@@ -1,0 +1,123 @@
+"""Drive the batched decoding engine and its scheduler step by step, as the generate loop
+(worker/pipeline/generate.py) does, without Redis or threads, and keep a note of how each
+token was chosen: the path (a prefill alone or a padded decode batch), the batch width,
+whether the sequence had been preempted, and its logits next to the reference's token.
+
+Used by bench/generative/exactness.py and tests/test_smollm2_exactness.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from worker.execution.generation import EngineSeq, GenerationEngine, StepOutput
+from worker.execution.sampling import SamplingParams
+from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState, StepPlan, Work
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    arrival: int  # the scheduler step it arrives at
+    kind: str = "raw"  # "raw" (a prompt) or "chat" (messages through the chat template)
+
+
+@dataclass(frozen=True, slots=True)
+class Emitted:
+    """How the engine chose one greedy token."""
+
+    token: int
+    top: float  # its logit: the row's maximum
+    expected: float | None  # the logit of the reference's token at this index, if known
+    path: str  # "prefill" (the sequence alone) or "decode" (one row of a padded batch)
+    width: int  # rows in that forward
+    preempted: bool  # the sequence had been preempted (and recomputed) before this token
+
+
+@dataclass(slots=True)
+class Served:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    emitted: dict[str, list[Emitted]] = field(default_factory=dict)
+    preemptions: dict[str, int] = field(default_factory=dict)
+    chunks: dict[str, int] = field(default_factory=dict)  # prefill forwards per sequence
+    steps: int = 0
+    widest: int = 0  # the most sequences decoded in one forward
+    seconds: float = 0.0
+
+
+class RecordingEngine(GenerationEngine):
+    """The engine, unchanged, with a note of the logits behind every token it samples."""
+
+    def __init__(self, lm: Any, tokenizer: Any, device: torch.device, eos_ids: Iterable[int],
+                 expected: Mapping[str, Sequence[int]] | None = None) -> None:
+        super().__init__(lm, tokenizer, device, eos_ids)
+        self.expected = expected or {}
+        self.emitted: dict[str, list[Emitted]] = {}
+        self.chunks: dict[str, int] = {}
+        self.was_preempted: set[str] = set()
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        self.was_preempted.update(plan.preempted)
+        return super().step(plan)
+
+    def _prefill(self, seq: EngineSeq, work: Work) -> torch.Tensor:
+        logits = super()._prefill(seq, work)
+        self.chunks[seq.id] = self.chunks.get(seq.id, 0) + 1
+        if work.end == len(seq.prompt_ids) + len(seq.text.generated):
+            self._note(seq, logits, "prefill", 1)
+        return logits
+
+    def _decode(self, works: Sequence[Work]) -> dict[str, torch.Tensor]:
+        logits = super()._decode(works)
+        for work in works:
+            self._note(self.seqs[work.id], logits[work.id], "decode", len(works))
+        return logits
+
+    def _note(self, seq: EngineSeq, logits: torch.Tensor, path: str, width: int) -> None:
+        index = len(seq.text.generated)
+        expected = self.expected.get(seq.id, ())
+        row = logits.float()
+        value = float(row[expected[index]]) if index < len(expected) else None
+        self.emitted.setdefault(seq.id, []).append(Emitted(
+            int(torch.argmax(row)), float(row.max()), value, path, width,
+            seq.id in self.was_preempted))
+
+
+def arrivals_by_step(requests: Iterable[Request]) -> dict[int, list[Request]]:
+    steps: dict[int, list[Request]] = {}
+    for request in requests:
+        steps.setdefault(request.arrival, []).append(request)
+    return steps
+
+
+def serve(engine: RecordingEngine, limits: SchedulerLimits,
+          requests: Sequence[Request]) -> Served:
+    """Greedy decoding of every request, continuous-batched, until all are done."""
+    sched = DecodingScheduler(limits)
+    arrivals = arrivals_by_step(requests)
+    served, last = Served(), max(arrivals)
+    started = time.perf_counter()
+    while served.steps <= last or len(sched):
+        for request in arrivals.get(served.steps, []):
+            engine.add(request.id, request.prompt_ids, SamplingParams(request.max_new_tokens))
+            sched.add(SeqState(request.id, len(request.prompt_ids), request.max_new_tokens))
+        served.steps += 1
+        plan = sched.schedule()
+        if not plan:
+            continue
+        served.widest = max(served.widest, len(plan.decode))
+        output = engine.step(plan)
+        for seq in sched.update(output.finished):
+            served.tokens[seq.id] = engine.seqs[seq.id].text.generated
+            served.preemptions[seq.id] = seq.preemptions
+            engine.drop(seq.id)
+    served.seconds = time.perf_counter() - started
+    served.emitted, served.chunks = engine.emitted, engine.chunks
+    return served

@@ -1,0 +1,286 @@
+"""Exactness of continuous batching on the real model (issue 12): SmolLM2's continuous-batched
+greedy output must equal transformers `generate(do_sample=False)` on each prompt alone, token
+for token, in >= 99% of cases. Every difference is reported with the logit margin at its first
+differing step, in the reference run and in the batched run, so a near-tie (float
+non-associativity: chunked, padded and recomputed forwards sum in another order) can be told
+apart from a bug (a large margin).
+
+    python -m bench.generative.exactness [--prompts N] [--seed S] [--out DIR]
+
+Writes DIR/2026-12-01-smollm2-exactness.{json,md}. One torch thread: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common.paths import SENTENCES, results_dir
+from bench.generative.continuous import RecordingEngine, Request, Served, serve
+from worker.execution.generation import kv_bytes_per_token
+from worker.policy.decoding import SchedulerLimits
+
+RESULTS = results_dir("generative")
+NAME = "2026-12-01-smollm2-exactness"
+SENTENCE_COUNTS = (1, 1, 1, 1, 2, 2, 2, 3, 4, 6, 9, 12)  # a long tail of prompt lengths
+TOPK = 20  # reference logits kept per step, for the margin of the batched run's token
+NEAR_TIE = 0.01  # a difference whose margins are both below this is float noise, not a bug
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    tokens: list[int]
+    top: list[tuple[list[float], list[int]]]  # per step: the TOPK best logits, their tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    id: str
+    kind: str
+    prompt_len: int
+    max_new_tokens: int
+    step: int  # the index of the first differing generated token
+    reference_token: int
+    batched_token: int
+    reference_text: str
+    batched_text: str
+    reference_margin: float  # reference logits: its top-1 minus the batched run's token
+    reference_margin_exact: bool  # false: that token was not in the top TOPK, a lower bound
+    batched_margin: float | None  # batched logits: its top-1 minus the reference's token
+    path: str  # how the batched run computed that step: "prefill" or "decode"
+    width: int
+    preempted: bool
+    chunks: int
+    preemptions: int
+
+    @property
+    def near_tie(self) -> bool:
+        return self.reference_margin < NEAR_TIE and (self.batched_margin or 0.0) < NEAR_TIE
+
+
+def load_model() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from worker.models.smollm2 import SmolLM2
+
+    model = SmolLM2()
+    model.load(CPU)
+    return model
+
+
+def build_requests(model: Any, count: int, seed: int, max_new: int = 48, spread: int = 3,
+                   sentences_per_prompt: Sequence[int] = SENTENCE_COUNTS) -> list[Request]:
+    """Real prompts (raw or chat) of a seeded number of sentences, tokenised by the worker's
+    own prepare(), arriving at seeded steps over `spread` x `count` steps, max_new_tokens
+    drawn from 1..max_new."""
+    rng = random.Random(seed)
+    sentences = [s.strip() for s in SENTENCES.read_text().splitlines() if s.strip()]
+    arrivals = sorted(rng.randrange(spread * count) for _ in range(count))
+    requests = []
+    for i, arrival in enumerate(arrivals):
+        text = " ".join(rng.sample(sentences, rng.choice(sentences_per_prompt)))
+        kind = rng.choice(("raw", "chat"))
+        payload: dict[str, Any] = {"prompt": text} if kind == "raw" else \
+            {"messages": [{"role": "user", "content": text}]}
+        payload["max_new_tokens"] = rng.randint(1, max_new)
+        data = model.prepare(payload, len(text)).data
+        requests.append(Request(f"p{i:03d}", data.prompt_ids, data.params.max_new_tokens,
+                                arrival, kind))
+    return requests
+
+
+def reference(lm: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> Reference:
+    """generate(do_sample=False) on the prompt alone, with the best logits of each step."""
+    ids = torch.tensor([list(prompt_ids)])
+    with torch.inference_mode():
+        out = lm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, output_logits=True,
+                          return_dict_in_generate=True)
+    tokens = [int(t) for t in out.sequences[0, len(prompt_ids):]]
+    top = []
+    for step in out.logits:
+        values, indices = torch.topk(step[0].float(), TOPK)
+        top.append(([float(v) for v in values], [int(i) for i in indices]))
+    return Reference(tokens, top)
+
+
+def scheduler_limits(model: Any, requests: Sequence[Request], max_step_tokens: int,
+                     max_seqs: int, kv_tokens: int) -> SchedulerLimits:
+    """A small KV budget (in tokens, raised to what the longest request needs alone), so
+    sequences are preempted and recomputed."""
+    need = max(len(r.prompt_ids) + r.max_new_tokens - 1 for r in requests)
+    per_token = kv_bytes_per_token(model.lm.config, model.lm.dtype)
+    return SchedulerLimits(max_step_tokens=max_step_tokens, max_seqs=max_seqs,
+                           bytes_per_token=per_token,
+                           kv_budget_bytes=per_token * max(kv_tokens, need))
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def difference(model: Any, request: Request, ref: Reference, served: Served,
+               step: int) -> Difference:
+    got = served.tokens[request.id]
+    mine, theirs = ref.tokens[step], got[step]
+    values, indices = ref.top[step]
+    exact = theirs in indices
+    margin = values[0] - (values[indices.index(theirs)] if exact else values[-1])
+    noted = served.emitted[request.id][step]
+    batched = noted.top - noted.expected if noted.expected is not None else None
+    return Difference(request.id, request.kind, len(request.prompt_ids),
+                      request.max_new_tokens, step, mine, theirs,
+                      token_text(model, mine), token_text(model, theirs), margin, exact, batched,
+                      noted.path, noted.width, noted.preempted,
+                      served.chunks.get(request.id, 0), served.preemptions.get(request.id, 0))
+
+
+def token_text(model: Any, token: int) -> str:
+    """One token's text, through the model's tokenizer (special tokens shown as such)."""
+    return str(model.tokenizer.decode([token]))
+
+
+def noise(refs: Mapping[str, Reference], served: Served) -> dict[str, Any]:
+    """|batched - reference| top-1 logit where both runs chose the same token, by path;
+    and how close the reference's own top-2 came (how many near-ties the prompts hold)."""
+    drift: dict[str, list[float]] = {}
+    gaps: list[float] = []
+    for seq_id, ref in refs.items():
+        gaps += [values[0] - values[1] for values, _ in ref.top]
+        for step, noted in enumerate(served.emitted.get(seq_id, [])):
+            if step >= len(ref.tokens) or noted.token != ref.tokens[step]:
+                break  # past the first difference the two runs see different tokens
+            key = noted.path + (" after preemption" if noted.preempted else "")
+            drift.setdefault(key, []).append(abs(noted.top - ref.top[step][0][0]))
+    return {"top1_drift": {k: {"steps": len(v), "median": statistics.median(v), "max": max(v)}
+                           for k, v in sorted(drift.items())},
+            "reference_steps": len(gaps),
+            "reference_top2_gap_below_near_tie": sum(g < NEAR_TIE for g in gaps),
+            "reference_top2_gap_min": min(gaps)}
+
+
+def compare(model: Any, requests: Sequence[Request], refs: Mapping[str, Reference],
+            served: Served) -> tuple[list[Difference], list[dict[str, Any]]]:
+    differences, rows = [], []
+    for request in requests:
+        got = served.tokens[request.id]
+        step = first_difference(refs[request.id].tokens, got)
+        if step is not None:
+            differences.append(difference(model, request, refs[request.id], served, step))
+        rows.append({"id": request.id, "kind": request.kind,
+                     "prompt_len": len(request.prompt_ids),
+                     "max_new_tokens": request.max_new_tokens, "generated": len(got),
+                     "match": step is None, "chunks": served.chunks.get(request.id, 0),
+                     "preemptions": served.preemptions.get(request.id, 0)})
+    return differences, rows
+
+
+def markdown(report: Mapping[str, Any], differences: Sequence[Difference]) -> str:
+    s, t, n = report["summary"], report["timings_s"], report["noise"]
+    lines = [f"# SmolLM2 continuous-batching exactness ({report['date']})", "",
+             f"`{report['command']}`", "",
+             f"- match: **{s['matched']}/{s['prompts']} = {100 * s['match_rate']:.1f}%** "
+             f"(target >= 99%: {'met' if s['match_rate'] >= 0.99 else 'NOT met'})",
+             f"- differences: {s['differences']} ({s['near_ties']} near-ties, both margins "
+             f"< {NEAR_TIE}; {s['differences'] - s['near_ties']} with a larger margin)",
+             f"- {s['tokens']} tokens; {s['preemptions']} preemptions "
+             f"({s['preempted_requests']} requests); {s['chunked_requests']} prompts "
+             f"prefilled in > 1 chunk; widest decode batch {s['widest']}; {s['steps']} steps",
+             f"- limits: {report['limits']}",
+             f"- timings: load {t['load']:.1f}s, reference {t['reference']:.1f}s, "
+             f"batched {t['batched']:.1f}s",
+             f"- near-ties in the prompts themselves: {n['reference_top2_gap_below_near_tie']} "
+             f"of {n['reference_steps']} reference steps have a top-2 gap < {NEAR_TIE} "
+             f"(smallest {n['reference_top2_gap_min']:.2e})", "",
+             "Top-1 logit drift, batched vs alone, where both chose the same token:", ""]
+    for path, d in n["top1_drift"].items():
+        lines.append(f"- {path}: {d['steps']} steps, median {d['median']:.2e}, "
+                     f"max {d['max']:.2e}")
+    if not differences:
+        return "\n".join(lines + ["", "No differences."]) + "\n"
+    lines += ["", f"Margins are top-1 minus the other run's token, in logits (+: a lower bound, "
+              f"that token was not in the reference's top {TOPK}).",
+              "", "| id | step | reference | batched | margin ref | margin batched | path "
+              "| width | preempted |", "|---|---|---|---|---|---|---|---|---|"]
+    for d in differences:
+        ref_margin = f"{d.reference_margin:.2e}" + ("" if d.reference_margin_exact else "+")
+        got = "n/a" if d.batched_margin is None else f"{d.batched_margin:.2e}"
+        lines.append(f"| {d.id} | {d.step} | {d.reference_token} {d.reference_text!r} "
+                     f"| {d.batched_token} {d.batched_text!r} | {ref_margin} | {got} "
+                     f"| {d.path} | {d.width} | {d.preempted} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(rows: Sequence[Mapping[str, Any]], differences: Sequence[Difference],
+            served: Served) -> dict[str, Any]:
+    matched = sum(r["match"] for r in rows)
+    return {"prompts": len(rows), "matched": matched, "match_rate": matched / len(rows),
+            "differences": len(differences),
+            "near_ties": sum(d.near_tie for d in differences),
+            "tokens": sum(r["generated"] for r in rows),
+            "preemptions": sum(r["preemptions"] for r in rows),
+            "preempted_requests": sum(r["preemptions"] > 0 for r in rows),
+            "chunked_requests": sum(r["chunks"] > 1 for r in rows),
+            "widest": served.widest, "steps": served.steps}
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.generative.exactness",
+                                     description=__doc__)
+    parser.add_argument("--prompts", type=int, default=120)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--max-new", type=int, default=48)
+    parser.add_argument("--max-step-tokens", type=int, default=32)
+    parser.add_argument("--max-seqs", type=int, default=8)
+    parser.add_argument("--kv-tokens", type=int, default=384)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    model = load_model()
+    loaded = time.perf_counter()
+    requests = build_requests(model, args.prompts, args.seed, args.max_new)
+    refs = {r.id: reference(model.lm, r.prompt_ids, r.max_new_tokens) for r in requests}
+    referenced = time.perf_counter()
+    limits = scheduler_limits(model, requests, args.max_step_tokens, args.max_seqs,
+                              args.kv_tokens)
+    engine = RecordingEngine(model.lm, model.tokenizer, CPU, model.eos_ids,
+                             {i: ref.tokens for i, ref in refs.items()})
+    served = serve(engine, limits, requests)
+    differences, rows = compare(model, requests, refs, served)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "command": "python -m bench.generative.exactness " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+              "summary": summary(rows, differences, served),
+              "limits": {**asdict(limits), "kv_tokens": limits.kv_tokens},
+              "noise": noise(refs, served), "near_tie_threshold": NEAR_TIE,
+              "timings_s": {"load": loaded - started, "reference": referenced - loaded,
+                            "batched": served.seconds},
+              "differences": [{**asdict(d), "near_tie": d.near_tie} for d in differences],
+              "requests": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{NAME}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / f"{NAME}.md").write_text(markdown(report, differences))
+    print(markdown(report, differences))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

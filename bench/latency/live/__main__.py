@@ -1,0 +1,5 @@
+"""`python -m bench.latency.live`: the latency target on real processes."""
+
+from bench.latency.live.run import main
+
+raise SystemExit(main())

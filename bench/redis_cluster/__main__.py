@@ -1,0 +1,5 @@
+"""`python -m bench.redis_cluster`: Redis Cluster against one Redis."""
+
+from bench.redis_cluster.compare import main
+
+raise SystemExit(main())
