@@ -24,8 +24,8 @@ import torch
 
 from bench.common.paths import SENTENCES
 from worker.execution.executor import Executor, Launched, to_device
+from worker.execution.guarded_runner import BatchRunner, TooLarge
 from worker.execution.memory import CudaMemory
-from worker.execution.runner import BatchRunner, TooLarge
 from worker.models import Model, create_model
 from worker.models.base import Prepared
 from worker.policy.batching import BatchLimits

@@ -28,8 +28,8 @@ from worker.execution.calibration import (
 )
 from worker.execution.cores import available_cores
 from worker.execution.executor import Executor, device_precision, dtype_name, resolve_device
+from worker.execution.guarded_runner import BatchRunner
 from worker.execution.memory import MemoryProbe, memory_probe
-from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
 from worker.observe.startup import logged_step

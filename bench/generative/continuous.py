@@ -3,7 +3,7 @@
 token was chosen: the path (a prefill alone or a padded decode batch), the batch width,
 whether the sequence had been preempted, and its logits next to the reference's token.
 
-Used by bench/generative/exactness.py and tests/test_smollm2_exactness.py.
+Used by bench/generative/exactness.py and tests/models/test_smollm2_exactness.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ summed over every node (masters and replicas), queueing's over all the requests 
 over those answered in that window; the worker's from its process's CPU times, in the same window.
 The share per master counts each shard's requests on its master. WAIT: the cluster with
 `replicas_to_wait` 1 (worker and producer) against 0. Needs Redis 7+, redis-cli and pytest
-(tests/cluster_rig.py).
+(tests/rigs/cluster.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from bench.common.paths import results_dir
 from bench.common.processes import Workers
 from producer import Client, protocol
 from producer.shards import shard_answered_key, shard_stream_key
-from tests.cluster_rig import ClusterRig, cluster_rig
-from tests.conftest import RedisNode, server_version, system_redis
+from tests.rigs.cluster import ClusterRig, cluster_rig
+from tests.rigs.servers import RedisNode, server_version, system_redis
 
 SHARDS = 6
 MODEL = "echo"

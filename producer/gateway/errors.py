@@ -1,6 +1,6 @@
 """HTTP errors in OpenAI's shape, and the worker's error codes mapped to HTTP statuses.
 
-Pure: no I/O, so the mapping is unit-tested on its own (tests/test_gateway_shapes.py).
+Pure: no I/O, so the mapping is unit-tested on its own (tests/unit/producer/test_gateway_shapes.py).
 """
 
 from __future__ import annotations

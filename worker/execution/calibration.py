@@ -24,8 +24,8 @@ import structlog
 import torch
 
 from worker.execution.executor import Executor, is_out_of_memory
+from worker.execution.guarded_runner import BatchRunner
 from worker.execution.memory import MemoryProbe
-from worker.execution.runner import BatchRunner
 from worker.models.base import Model, Prepared
 
 log = structlog.get_logger("redbatch.calibration")

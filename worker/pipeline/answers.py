@@ -10,7 +10,7 @@ from typing import Any
 
 from producer import protocol
 from producer.protocol import ErrorCode, Request
-from worker.execution.runner import TooLarge
+from worker.execution.guarded_runner import TooLarge
 from worker.policy.batching import Batch, Pending
 from worker.policy.flow import entry_time_ms
 from worker.policy.latency import Admission

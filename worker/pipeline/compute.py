@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from worker.execution.runner import BatchRunner, RunningBatch
+from worker.execution.guarded_runner import BatchRunner, RunningBatch
 from worker.observe import metrics
 from worker.pipeline.answers import (
     Answer,
@@ -73,7 +73,8 @@ class ComputeLoop:
             if running is not None:
                 self.answers.put(self.complete(running))
             if upcoming is not None:
-                self._started(upcoming.batch)  # before: on the CPU launch runs the batch
+                # Stamped before launch: on a CPU, launch itself runs the forward pass.
+                self._started(upcoming.batch)
                 runner.launch(upcoming)
             running = upcoming
 

@@ -32,14 +32,14 @@ from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
 from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer
-from worker.pipeline.inflight import InFlight
-from worker.pipeline.retry import Grace, RedisRetry
-from worker.pipeline.token_answers import (
+from worker.pipeline.generative_envelopes import (
     delta_envelope,
     final_answer,
     generation_meta,
     routed_error,
 )
+from worker.pipeline.inflight import InFlight
+from worker.pipeline.retry import Grace, RedisRetry
 from worker.policy.batching import Batcher, Pending
 from worker.policy.decoding import DecodingScheduler, SeqState, StepPlan
 from worker.policy.flow import entry_time_ms, is_past_deadline

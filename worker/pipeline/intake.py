@@ -25,10 +25,10 @@ from worker.models.base import InvalidInput, Model, Prepared
 from worker.observe import metrics
 from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer, refused_answer
+from worker.pipeline.generative_envelopes import routed_error
 from worker.pipeline.inflight import InFlight
 from worker.pipeline.reply import ReadTimeAnswers
 from worker.pipeline.retry import RedisRetry
-from worker.pipeline.token_answers import routed_error
 from worker.policy.batching import Batcher, Pending
 from worker.policy.flow import claims_first, is_past_deadline
 from worker.policy.targeted import TargetedDispatch
@@ -140,7 +140,9 @@ class Intake:
         for (entry, _), prepared in zip(parsed, self.prepare_all(parsed, now, now_ms),
                                         strict=True):
             if isinstance(prepared, Pending):
-                if entry.redelivered and self.model.generative:  # it may have begun
+                # A redelivered generative request may have streamed tokens already: the
+                # engine resumes it from its reply stream instead of starting again.
+                if entry.redelivered and self.model.generative:
                     prepared.item.data = replace(prepared.item.data, redelivered=True)
                 admission.good.append(prepared)
             else:

@@ -23,7 +23,7 @@ import structlog
 
 from worker.execution.executor import dtype_name
 from worker.execution.generation import GenerationEngine
-from worker.execution.runner import BatchRunner
+from worker.execution.guarded_runner import BatchRunner
 from worker.models.base import Model
 from worker.observe import metrics
 from worker.pipeline import ports

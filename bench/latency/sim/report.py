@@ -1,6 +1,6 @@
 """The goals G1-G5 of the latency target, for redbatch and each baseline, on the simulator:
 every contender runs on the very same arrivals. Used by `python -m bench.latency.sim` and
-tests/test_latency_sim.py (which checks redbatch's row)."""
+tests/unit/bench/test_latency_sim.py (which checks redbatch's row)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 simulated clock, with seeded Poisson arrivals and a seeded service-time model.
 
 It runs minutes of traffic in seconds, so the latency-target goals are checked in CI
-(tests/test_latency_sim.py) and every baseline runs on the very same arrivals
+(tests/unit/bench/test_latency_sim.py) and every baseline runs on the very same arrivals
 (bench/latency/sim/baselines.py). Written by hand: the event loop is a heap of completion times, and
 no simulation library fitted a policy object that is called, not scheduled.
 """

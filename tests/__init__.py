@@ -1,0 +1,1 @@
+"""The test suite: see docs/architecture.md, "Tests", for which folder to run."""

@@ -1,0 +1,97 @@
+"""`python -m producer` as a user runs it: a subprocess, with a worker serving in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from tests.rigs.paths import REPO_ROOT
+from worker.streams.server import free_port
+
+ROOT = REPO_ROOT
+
+
+def produce(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    return subprocess.run([sys.executable, "-m", "producer", "--no-progress", *args],
+                          input=stdin, capture_output=True, text=True, cwd=ROOT,
+                          env={**env, "PYTHONPATH": str(ROOT)}, timeout=60)
+
+
+def results(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def test_jsonl_and_plain_lines_come_back_in_input_order(
+        redis_url: str, worker_factory: Callable[..., Any]) -> None:
+    long_text = "a long line " * 30  # a later bucket than the rest: answered in another batch
+    lines = [long_text, '{"text": "json", "n": 1}', "", "plain words", '{"x": [1, 2]}']
+    with worker_factory(max_wait_ms=50):
+        done = produce("--redis-url", redis_url, "--model", "echo", stdin="\n".join(lines))
+    assert done.returncode == 0, done.stderr
+    assert [e["result"] for e in results(done.stdout)] == [
+        {"text": long_text}, {"text": "json", "n": 1}, {"text": "plain words"}, {"x": [1, 2]}]
+    assert done.stderr.strip().startswith("4 requests, 0 failed, ")
+    assert done.stderr.strip().endswith(" requests/s")
+
+
+def test_a_failed_request_makes_the_exit_status_1(
+        tmp_path: Path, redis_url: str, worker_factory: Callable[..., Any]) -> None:
+    source, output = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    source.write_text("fine\nboom\nalso fine\n")
+    with worker_factory(model="tests.rigs.plugin_models:FaultyModel", model_name="faulty",
+                        max_batch_size=1):
+        done = produce("--redis-url", redis_url, "--model", "faulty", "--json", str(source),
+                       "-o", str(output))
+    assert done.returncode == 1 and done.stdout == ""
+    envelopes = results(output.read_text())
+    assert [e["ok"] for e in envelopes] == [True, False, True]
+    assert envelopes[1]["error"]["code"] == "model_error"
+    assert "3 requests, 1 failed" in done.stderr
+
+
+def announce(r: redis.Redis, model: str, generative: bool = False) -> None:
+    """A worker of `model` that announced itself just now (as a live one does), serving
+    nothing."""
+    entry = json.dumps({"seen_ms": int(time.time() * 1000), "generative": generative})
+    r.hset(f"redbatch:workers:{model}", "silent", entry)
+    r.hset("redbatch:models", model, entry)
+
+
+def test_unanswered_requests_count_as_timeouts(redis_url: str, r: redis.Redis) -> None:
+    announce(r, "echo")
+    done = produce("--redis-url", redis_url, "--model", "echo", "--timeout", "0.3",
+                   stdin="nobody serves this\n")
+    assert done.returncode == 1
+    assert results(done.stdout)[0]["error"]["code"] == "timeout"
+
+
+def test_a_bad_input_line_is_refused_before_anything_is_sent(r: redis.Redis,
+                                                             redis_url: str) -> None:
+    done = produce("--redis-url", redis_url, "--model", "echo", stdin='fine\n{"text": oops}\n')
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == "producer: cannot read input: line 2: invalid JSON " \
+                                  "(Expecting value)"
+    assert r.xlen("redbatch:requests:echo") == 0
+
+
+def test_a_missing_input_file(tmp_path: Path) -> None:
+    done = produce(str(tmp_path / "absent.jsonl"))
+    assert done.returncode == 2 and "cannot read input" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_unreachable_redis_is_one_clear_line() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    done = produce("--redis-url", url, stdin="hello\n")
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"producer: Redis error at {url}: ")
