@@ -216,3 +216,12 @@ def test_every_documented_bench_command_runs_a_module(module: str) -> None:
     assert spec is not None
     if spec.submodule_search_locations is not None:  # a package runs its __main__
         assert importlib.util.find_spec(f"{module}.__main__") is not None
+
+
+def test_docs_architecture_names_every_module() -> None:
+    """The listing in docs/architecture.md keeps up with the code: no module left out."""
+    listing = (ROOT / "docs" / "architecture.md").read_text()
+    modules = [p for p in [*PACKAGE.rglob("*.py"), *PRODUCER.glob("*.py")]
+               if p.name != "__init__.py"]
+    missing = sorted(str(p.relative_to(ROOT)) for p in modules if p.name not in listing)
+    assert missing == []
