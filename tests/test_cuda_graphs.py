@@ -1,0 +1,154 @@
+"""CUDA graphs for the encoder (execution/cuda_graphs.py). The replay wrapper's logic (the
+shape a batch runs in, padded rows and tokens, the output cut to the real rows, eager for
+other shapes) is checked here with a plain eager stand-in for a graph; the capture itself
+only on a CUDA device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from worker.execution import cuda_graphs
+from worker.execution.cuda_graphs import GraphedForward, StaticShape, fill
+from worker.execution.executor import Executor
+from worker.models.base import Model, Prepared
+from worker.policy.shape_classes import shape_classes
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def row_sums(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An encoder stand-in whose output depends on every real token and on nothing else."""
+    return (batch["ids"] * batch["mask"]).sum(dim=1, keepdim=True).float()
+
+
+def stand_in_capture(rows: int, length: int, runs: list[tuple[int, int]]) -> StaticShape:
+    """A 'graph' that replays row_sums on its static buffers and records the shape it ran."""
+    inputs = {"ids": torch.full((rows, length), 7), "mask": torch.ones(rows, length,
+                                                                      dtype=torch.long)}
+    output = torch.zeros(rows, 1)
+
+    def replay() -> None:
+        runs.append(tuple(inputs["ids"].shape))
+        output.copy_(row_sums(inputs))
+
+    return StaticShape(inputs, output, replay)
+
+
+def graphed(runs: list[tuple[int, int]]) -> tuple[GraphedForward, list[int]]:
+    classes = shape_classes([8, 16], max_batch_size=8, max_batch_tokens=1024)
+    eager: list[int] = []
+
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        eager.append(batch["ids"].shape[0])
+        return row_sums(batch)
+
+    shapes = {shape: stand_in_capture(*shape, runs) for shape in classes.shapes}
+    return GraphedForward(forward, classes, shapes, torch.device("cpu")), eager
+
+
+def batch_of(lengths: list[int]) -> dict[str, torch.Tensor]:
+    """Zero-padded ids 1..n and their mask, as a collate makes them."""
+    longest = max(lengths)
+    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.arange(1, n + 1)
+    return {"ids": ids, "mask": (ids > 0).long()}
+
+
+def test_a_batch_replays_in_the_smallest_shape_and_gets_its_own_rows_back() -> None:
+    runs: list[tuple[int, int]] = []
+    forward, eager = graphed(runs)
+    batch = batch_of([5, 3, 1])
+    output = forward(batch)
+    assert runs == [(4, 8)]  # 3 rows padded to 4, 5 tokens to the bucket's 8
+    assert torch.equal(output, row_sums(batch)) and output.shape == (3, 1)
+    assert eager == [] and forward.replays == 1
+
+
+def test_a_shorter_batch_after_a_longer_one_sees_none_of_its_tokens() -> None:
+    runs: list[tuple[int, int]] = []
+    forward, _ = graphed(runs)
+    forward(batch_of([8, 8, 8]))
+    output = forward(batch_of([2, 1]))  # the buffers' tokens past 2 must be zeroed
+    assert runs == [(4, 8), (2, 8)]
+    assert output.flatten().tolist() == [3.0, 1.0]
+
+
+def test_the_output_is_a_copy_the_next_replay_does_not_change() -> None:
+    forward, _ = graphed([])
+    first = forward(batch_of([4]))
+    forward(batch_of([6]))
+    assert first.flatten().tolist() == [10.0]
+
+
+def test_shapes_no_class_holds_run_eagerly() -> None:
+    runs: list[tuple[int, int]] = []
+    forward, eager = graphed(runs)
+    too_long, too_many = batch_of([17]), batch_of([2] * 9)
+    assert torch.equal(forward(too_long), row_sums(too_long))
+    assert torch.equal(forward(too_many), row_sums(too_many))
+    assert runs == [] and len(eager) == 2 and forward.eager == 2
+    assert forward.static_for(torch.ones(2, 3)) is None  # not a mapping of tensors
+    assert forward.static_for({"ids": torch.ones(2), "mask": torch.ones(2)}) is None  # 1-D
+
+
+def test_other_input_names_run_eagerly() -> None:
+    forward, _ = graphed([])
+    assert forward.static_for({"ids": torch.ones(1, 4, dtype=torch.long)}) is None
+    assert forward.static_for(batch_of([3])) is not None
+
+
+def test_fill_zero_pads_the_rows_it_writes_and_leaves_the_rest() -> None:
+    buffers = {"ids": torch.full((4, 6), 9)}
+    assert fill(buffers, {"ids": torch.ones(2, 3, dtype=torch.long)}) == 2
+    assert buffers["ids"].tolist() == [[1, 1, 1, 0, 0, 0]] * 2 + [[9] * 6] * 2
+
+
+class Plain(Model):
+    """A model that does not declare graph_capturable."""
+
+    def load(self, device: torch.device) -> None: ...
+    def prepare(self, payload: Any, nbytes: int) -> Prepared: return Prepared(1, payload)
+    def collate(self, items: Any) -> Any: return items
+    def forward(self, batch: Any) -> Any: return batch
+    def postprocess(self, output: Any, items: Any) -> list[Any]: return list(items)
+
+
+def test_on_a_cpu_nothing_is_captured_and_the_executor_runs_eagerly() -> None:
+    model = Plain()
+    model.graph_capturable = True
+    executor = Executor(model, torch.device("cpu"))
+    assert cuda_graphs.install([executor], model, torch.device("cpu"), [8], 4, 64) is None
+    assert executor.forward == model.forward and executor.another().forward == model.forward
+
+
+@needs_cuda
+def test_a_model_that_is_not_capturable_is_left_eager() -> None:
+    model, device = Plain(), torch.device("cuda")
+    executor = Executor(model, device)
+    assert cuda_graphs.install([executor], model, device, [8], 4, 64) is None
+    assert executor.forward == model.forward
+
+
+@needs_cuda
+def test_minilm_replays_match_eager_on_cuda() -> None:
+    from worker.models.minilm import MiniLMModel
+
+    device = torch.device("cuda")
+    model = MiniLMModel()
+    model.load(device)
+    executors = [Executor(model, device)]
+    executors.append(executors[0].another())
+    forward = cuda_graphs.install(executors, model, device, [16, 32], 8, 1024)
+    assert forward is not None and all(e.forward is forward for e in executors)
+    texts = ["a short one", "a sentence of a few more words than that, to pad the others"]
+    items = [model.prepare({"text": text}, len(text)) for text in texts]
+    graphed, eager = executors[1].run(items), Executor(model, device).run(items)
+    assert forward.replays >= 1
+    for mine, theirs in zip(graphed, eager, strict=True):
+        assert torch.nn.functional.cosine_similarity(
+            torch.as_tensor(mine["embedding"]), torch.as_tensor(theirs["embedding"]),
+            dim=0) > 0.999
