@@ -122,7 +122,7 @@ def test_on_a_cpu_nothing_is_captured_and_the_executor_runs_eagerly() -> None:
     model.graph_capturable = True
     executor = Executor(model, torch.device("cpu"))
     assert cuda_graphs.install([executor], model, torch.device("cpu"), [8], 4, 64) is None
-    assert executor.forward == model.forward and executor.another().forward == model.forward
+    assert executor.graphs is None and executor.another().graphs is None
 
 
 @needs_cuda
@@ -130,7 +130,7 @@ def test_a_model_that_is_not_capturable_is_left_eager() -> None:
     model, device = Plain(), torch.device("cuda")
     executor = Executor(model, device)
     assert cuda_graphs.install([executor], model, device, [8], 4, 64) is None
-    assert executor.forward == model.forward
+    assert executor.graphs is None
 
 
 @needs_cuda
@@ -143,7 +143,7 @@ def test_minilm_replays_match_eager_on_cuda() -> None:
     executors = [Executor(model, device)]
     executors.append(executors[0].another())
     forward = cuda_graphs.install(executors, model, device, [16, 32], 8, 1024)
-    assert forward is not None and all(e.forward is forward for e in executors)
+    assert forward is not None and all(e.graphs is forward for e in executors)
     texts = ["a short one", "a sentence of a few more words than that, to pad the others"]
     items = [model.prepare({"text": text}, len(text)) for text in texts]
     graphed, eager = executors[1].run(items), Executor(model, device).run(items)
@@ -152,3 +152,13 @@ def test_minilm_replays_match_eager_on_cuda() -> None:
         assert torch.nn.functional.cosine_similarity(
             torch.as_tensor(mine["embedding"]), torch.as_tensor(theirs["embedding"]),
             dim=0) > 0.999
+
+
+def test_an_executor_replays_its_graphs_in_place_of_the_forward_and_shares_them() -> None:
+    model = Plain()
+    executor = Executor(model, torch.device("cpu"))
+    executor.graphs = lambda batch: [f"replayed {item.data}" for item in batch]
+    items = [Prepared(1, "a"), Prepared(1, "b")]
+    assert executor.another().run(items) == ["replayed a", "replayed b"]
+    executor.graphs = None
+    assert executor.run(items) == items

@@ -32,9 +32,9 @@ FLOAT_TOLERANCE = 1e-4
 
 
 class RunsForward(Protocol):
-    """An executor: what it calls to run a batch's forward (executor.py)."""
+    """An executor: it replays `graphs` in place of the model's forward (executor.py)."""
 
-    forward: Callable[[Any], Any]
+    graphs: Callable[[Any], Any] | None
 
 
 @dataclass(slots=True)
@@ -188,7 +188,7 @@ def install(executors: Sequence[RunsForward], model: Model, device: torch.device
                     hint="running eagerly; cuda_graphs = false skips the capture")
         return None
     for executor in executors:
-        executor.forward = graphed
+        executor.graphs = graphed
     log.info("cuda_graphs.captured", shapes=len(shapes), lengths=[c[0] for c in classes.classes],
              largest=max(shapes, key=lambda s: s[0] * s[1], default=None),
              memory_mib=torch.cuda.memory_reserved(device) >> 20,
