@@ -114,7 +114,7 @@ class Plain(Model):
     def prepare(self, payload: Any, nbytes: int) -> Prepared: return Prepared(1, payload)
     def collate(self, items: Any) -> Any: return items
     def forward(self, batch: Any) -> Any: return batch
-    def postprocess(self, output: Any, items: Any) -> list[Any]: return list(items)
+    def postprocess(self, output: Any, items: Any) -> list[Any]: return list(output)
 
 
 def test_on_a_cpu_nothing_is_captured_and_the_executor_runs_eagerly() -> None:
