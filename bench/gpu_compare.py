@@ -136,11 +136,12 @@ def st_throughputs(device: torch.device, texts: Sequence[str], say: Say
         st = SentenceTransformer(str(bundled_model_path()), device=str(device))
         if dtype == "float16":
             st = st.half()
-        st.encode(list(texts[:512]), batch_size=128)  # warm: kernels, allocator
+        st.encode(list(texts[:512]), batch_size=128, show_progress_bar=False)  # warm
         for batch_size in ST_BATCH_SIZES:
             torch.cuda.synchronize(device)
             started = time.perf_counter()
-            st.encode(list(texts), batch_size=batch_size, convert_to_numpy=True)
+            st.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
+                      show_progress_bar=False)
             torch.cuda.synchronize(device)
             results[dtype, batch_size] = len(texts) / (time.perf_counter() - started)
             say(f"sentence-transformers {dtype}, batch {batch_size:>3}: "
