@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import loaded_model
 from worker.execution import cuda_graphs
-from worker.execution.cuda_graphs import GraphedForward, StaticShape, fill
+from worker.execution.cuda_graphs import GraphedForward, StaticShape, fill, static_batch
 from worker.execution.executor import Executor
 from worker.models.base import Model, Prepared
 from worker.policy.shape_classes import shape_classes
@@ -105,6 +106,29 @@ def test_fill_zero_pads_the_rows_it_writes_and_leaves_the_rest() -> None:
     buffers = {"ids": torch.full((4, 6), 9)}
     assert fill(buffers, {"ids": torch.ones(2, 3, dtype=torch.long)}) == 2
     assert buffers["ids"].tolist() == [[1, 1, 1, 0, 0, 0]] * 2 + [[9] * 6] * 2
+
+
+def test_minilm_padded_to_a_captured_shape_gives_each_row_its_eager_embedding() -> None:
+    """What a replay computes, on a CPU: the real model on the batch padded to its class
+    (rows and tokens) gives the real rows eager's embeddings; check_replay agrees."""
+    model = loaded_model("minilm")
+    classes = shape_classes([8, 16], max_batch_size=4, max_batch_tokens=1024)
+    shapes = {}
+    for rows, length in classes.shapes:
+        inputs = static_batch(model, torch.device("cpu"), rows, length)
+        assert inputs is not None
+        output = torch.zeros(rows, 384)
+        shapes[rows, length] = StaticShape(
+            inputs, output, lambda i=inputs, o=output: o.copy_(model.forward(i)))
+    graphed = GraphedForward(model.forward, classes, shapes, torch.device("cpu"))
+    texts = ["a short one", "a sentence of a few more words", "hello"]  # 5, 9 and 3 tokens
+    batch = model.collate([model.prepare({"text": text}, len(text)) for text in texts])
+    assert graphed.static_for(batch) is shapes[4, 16]  # a row and 7 tokens of padding
+    with torch.inference_mode():
+        replayed, eager = graphed(batch), model.forward(batch)
+        cuda_graphs.check_replay(graphed, model, torch.device("cpu"))
+    assert graphed.replays == 2
+    assert torch.allclose(replayed, eager, atol=1e-5)
 
 
 class Plain(Model):

@@ -177,6 +177,9 @@ def install(executors: Sequence[RunsForward], model: Model, device: torch.device
         log.info("cuda_graphs.skipped", reason="the model does not declare graph_capturable")
         return None
     classes = shape_classes(boundaries, max_batch_size, max_batch_tokens)
+    if not classes.classes:
+        log.info("cuda_graphs.skipped", reason="no bucket boundaries: no fixed shapes")
+        return None
     started = time.perf_counter()
     try:
         with torch.inference_mode():
