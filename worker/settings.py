@@ -69,8 +69,8 @@ class Settings(BaseSettings):
     cpu_cores: int = Field(0, ge=0, description="cores this process may use; 0: read from its "
                            "CPU affinity and cgroup quota (--processes gives each its share)")
 
-    max_batch_size: int = Field(32, gt=0, description="CUDA's default: 512")
-    max_batch_tokens: int = Field(8192, gt=0, description="n x longest per batch (CUDA: 65536)")
+    max_batch_size: int = Field(32, gt=0, description="on CUDA 512 unless set")
+    max_batch_tokens: int = Field(8192, gt=0, description="n x longest; on CUDA 65536 unless set")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a batch may wait to fill "
                                "(static batching: unused when latency_target_ms is set)")
     latency_target_ms: float | None = Field(None, gt=0, description=(
@@ -99,8 +99,8 @@ class Settings(BaseSettings):
         "an unfilled batch absorbs another bucket when that adds at most this many padded "
         "tokens (the model's fixed cost per batch over its cost per padded token); none: "
         "measured at warm-up; 0 keeps buckets apart"))
-    max_inflight: int = Field(512, gt=0, description="entries read, not yet answered (CUDA's "
-                              "default: 4096)")
+    max_inflight: int = Field(512, gt=0, description="entries read, not yet answered; on "
+                              "CUDA 4096 unless set")
     read_count: int = Field(256, gt=0, description="most entries per XREADGROUP")
     block_ms: int = Field(1000, gt=0, description="XREADGROUP BLOCK; never 0")
 
