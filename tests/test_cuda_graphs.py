@@ -5,17 +5,22 @@ only on a CUDA device."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
+from structlog.testing import capture_logs
 
 from tests.conftest import loaded_model
+from worker.app import build_worker
 from worker.execution import cuda_graphs
 from worker.execution.cuda_graphs import GraphedForward, StaticShape, fill, static_batch
 from worker.execution.executor import Executor
 from worker.models.base import Model, Prepared
 from worker.policy.shape_classes import shape_classes
+from worker.settings import load_settings
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -186,3 +191,18 @@ def test_an_executor_replays_its_graphs_in_place_of_the_forward_and_shares_them(
     assert executor.another().run(items) == ["replayed a", "replayed b"]
     executor.graphs = None
     assert executor.run(items) == items
+
+
+@pytest.mark.parametrize("flags, level", [({"cuda_graphs": True}, "info"), ({}, "debug")])
+def test_on_a_cpu_the_worker_says_once_that_it_skips_the_capture(
+        flags: dict[str, bool], level: str, redis_url: str, r: redis.Redis,
+        tmp_path: Path) -> None:
+    """One line: at info when the user asked for graphs, at debug for the default."""
+    settings = load_settings(None, redis_url=redis_url, model="echo", device="cpu",
+                             metrics_port=0, calibration_dir=tmp_path, warmup=False, **flags)
+    with capture_logs() as logs:
+        worker = build_worker(settings, r)
+    skipped = [entry for entry in logs if entry["event"] == "cuda_graphs.skipped"]
+    assert [entry["log_level"] for entry in skipped] == [level]
+    assert "no CUDA device" in skipped[0]["reason"]
+    assert all(runner.executor.graphs is None for runner in worker.runners)

@@ -265,7 +265,7 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
         resolved = worker.settings  # the device's defaults applied
         cuda_graphs.install([runner.executor for runner in worker.runners], model, device,
                             worker.batcher.boundaries, resolved.max_batch_size,
-                            resolved.max_batch_tokens)
+                            resolved.max_batch_tokens, "cuda_graphs" in settings.model_fields_set)
     if settings.warmup:
         policy = worker.intake.targeted.policy
         observe = policy.model.observe if settings.latency_target_ms else None

@@ -166,15 +166,18 @@ def check_replay(graphed: GraphedForward, model: Model, device: torch.device) ->
 
 
 def install(executors: Sequence[RunsForward], model: Model, device: torch.device,
-            boundaries: Sequence[int], max_batch_size: int,
-            max_batch_tokens: int) -> GraphedForward | None:
+            boundaries: Sequence[int], max_batch_size: int, max_batch_tokens: int,
+            asked: bool = False) -> GraphedForward | None:
     """Capture the model's shapes and have every executor replay them; None (eager, one log
-    line) without CUDA, for a model that cannot be captured, or when a capture fails."""
+    line) without CUDA, for a model that cannot be captured, or when a capture fails.
+    `asked`: the user set cuda_graphs, so a skip is worth an info line (else debug: the
+    default on a CPU is not news)."""
+    skipped = log.info if asked else log.debug
     if device.type != "cuda":
-        log.info("cuda_graphs.skipped", reason=f"no CUDA device ({device}): running eagerly")
+        skipped("cuda_graphs.skipped", reason=f"no CUDA device ({device}): running eagerly")
         return None
     if not model.graph_capturable or model.generative:
-        log.info("cuda_graphs.skipped", reason="the model does not declare graph_capturable")
+        skipped("cuda_graphs.skipped", reason="the model does not declare graph_capturable")
         return None
     classes = shape_classes(boundaries, max_batch_size, max_batch_tokens)
     if not classes.classes:
