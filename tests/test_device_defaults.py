@@ -47,8 +47,9 @@ def test_a_child_process_resolves_the_device_defaults_itself() -> None:
     or a CUDA child would get the CPU's 32."""
     texts = exported(load_settings(None, max_batch_tokens=1000))
     assert texts["max_batch_tokens"] == "1000"
-    assert not {"max_batch_size", "max_inflight"} & texts.keys()
+    assert not {"max_batch_size", "max_inflight", "cuda_graphs"} & texts.keys()
     assert set(CUDA_BATCH_DEFAULTS) == {"max_batch_size", "max_batch_tokens", "max_inflight"}
+    assert exported(load_settings(None, cuda_graphs=False))["cuda_graphs"] == "false"
 
 
 def test_cuda_buckets_are_the_models_thinned_to_steps_of_one_and_a_half() -> None:

@@ -19,7 +19,7 @@ from pydantic_settings import (
 )
 
 from producer.protocol import DEFAULT_GROUP, DEFAULT_NAMESPACE
-from worker.policy.device_defaults import CUDA_BATCH_DEFAULTS
+from worker.policy.device_defaults import UNSET_STAYS_UNSET
 
 
 def default_consumer_name() -> str:
@@ -247,10 +247,10 @@ SECRET_SETTINGS = ("redis_url", "redis_password")  # a URL may hold a password t
 
 def exported(settings: Settings) -> dict[str, str]:
     """Each set setting as text a flag or REDBATCH_* variable takes, secrets revealed: what
-    a child process is handed (secrets by environment only: a command line is public). A
-    default that differs on CUDA is left out: the child resolves it for its own device."""
-    texts, device_defaulted = {}, set(CUDA_BATCH_DEFAULTS) - settings.model_fields_set
-    for name, value in settings.model_dump(mode="json", exclude=device_defaulted).items():
+    a child process is handed (secrets by environment only: a command line is public). An
+    unset setting the child resolves for itself (device_defaults.py) is left out."""
+    texts, unset = {}, set(UNSET_STAYS_UNSET) - settings.model_fields_set
+    for name, value in settings.model_dump(mode="json", exclude=unset).items():
         if name == "redis_password" and settings.redis_password is not None:
             value = settings.redis_password.get_secret_value()
         if value is not None:

@@ -24,6 +24,9 @@ CUDA_BATCH_DEFAULTS: Mapping[str, int] = {
     "max_batch_tokens": 65_536,  # 512 x 128 tokens: the batch above at a common length
     "max_inflight": 4_096,  # 2 instances x (a batch computing + one filling) x 512, doubled
 }
+# Handed to a child process only when set: it resolves them for its own device (and says
+# why graphs are skipped only if they were asked for).
+UNSET_STAYS_UNSET = frozenset({*CUDA_BATCH_DEFAULTS, "cuda_graphs"})
 CUDA_BUCKET_STEP = 1.5  # each kept boundary at least this far above the one before
 
 
