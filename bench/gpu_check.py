@@ -1,11 +1,16 @@
 """`python -m bench.gpu_check`: the GPU paths, checked on a real device in one command.
 
-Four checks, within 5 minutes on one GPU:
+Five checks, within 6 minutes on one GPU, in the dtype `--dtype` resolves to (auto: bfloat16
+on CUDA >= 8.0, float16 below), which the first line reports:
   overlap     CUDA event timings: the next batch's copy happens during this batch's compute
   governor    a ballast allocation leaves little free memory: the caps are cut, and grow back
   oom split   a batch far too large for the memory left is split until it fits; all answered
   throughput  MiniLM through the worker (embedded Redis), with one and two model instances
               (each on its own CUDA streams), against the same model run offline
+  vs ST       on thousands of mixed-length texts: redbatch at default settings through Redis
+              (CUDA graphs used or not), its own offline limit in the same dtype, and
+              sentence-transformers' encode at batch 32/128/512 in float32 and float16, with
+              the goals of issue 31 (bench/throughput/gpu_compare.py)
 Without a CUDA device it says so and exits 0.
 """
 
@@ -23,13 +28,15 @@ from pathlib import Path
 import torch
 
 from bench.common.paths import SENTENCES
-from worker.execution.executor import Executor, Launched, to_device
+from bench.throughput.gpu_compare import compare
+from worker.execution.executor import Executor, Launched, device_precision, to_device
 from worker.execution.guarded_runner import BatchRunner, TooLarge
 from worker.execution.memory import CudaMemory
 from worker.models import Model, create_model
 from worker.models.base import Prepared
 from worker.policy.batching import BatchLimits
 from worker.policy.governor import Governor, GovernorPolicy
+from worker.policy.precision import DTYPES
 
 GIB = 1 << 30
 BUCKET_256 = 4  # MiniLM's bucket for 129..256 tokens
@@ -189,16 +196,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         say("gpu_check: no CUDA device on this machine; nothing to check (exit 0)")
         return 0
+    begun = time.perf_counter()
     device = torch.device(args.device)
-    say(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    precision = device_precision(args.dtype, device)
+    say(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+        f"dtype {precision.describe()} ({precision.reason})")
     model = create_model("minilm", {})
+    model.dtype = getattr(torch, precision.dtype)
     model.load(device)
     checks = [("overlap", check_overlap), ("governor", check_governor),
-              ("oom split", check_oom_split), ("throughput", check_throughput)]
+              ("oom split", check_oom_split), ("throughput", check_throughput),
+              ("vs sentence-transformers", compare)]
     failed = 0
     for name, check in checks:
         say(f"\n== {name}")
@@ -209,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             say(f"FAILED: {type(exc).__name__}: {exc}")
         say(f"({time.perf_counter() - started:.1f} s)")
+    say(f"\ngpu_check: {failed} check(s) failed, {time.perf_counter() - begun:.0f} s in all")
     return 1 if failed else 0
 
 

@@ -18,6 +18,7 @@ import torch
 
 from producer import connection, protocol
 from producer.replicas import ReplicaCount
+from worker.execution import cuda_graphs
 from worker.execution.calibration import (
     CalibrationError,
     Observe,
@@ -37,6 +38,7 @@ from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
 from worker.policy.controllers import controlled, controller_from_settings, dispatch_rule
 from worker.policy.decoding import DecodingScheduler
+from worker.policy.device_defaults import default_boundaries, on_device
 from worker.policy.governor import (
     Governor,
     MemoryReading,
@@ -122,10 +124,11 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     """The composition root: build every part from the settings and hand them, built, to
     the Worker. `calibrated`: the best batch size per bucket boundary, from `python -m
     worker calibrate`; it lowers max_batch_size for that bucket."""
+    settings = on_device(settings, executor.device.type)  # e.g. a GPU's larger batches
     layout = resolve_layout(settings, model, executor.device)
     boundaries = settings.bucket_boundaries
     if boundaries is None:
-        boundaries = list(model.default_bucket_boundaries)
+        boundaries = default_boundaries(model.default_bucket_boundaries, executor.device.type)
     limits = BatchLimits(settings.max_batch_size, settings.max_batch_tokens,
                          settings.max_wait_ms / 1000)
     governor = build_governor(settings, limits, boundaries, calibrated or {})
@@ -258,6 +261,11 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     except CalibrationError as exc:
         raise StartupError(str(exc)) from None
     worker = assemble_worker(settings, model, Executor(model, device), client, calibrated)
+    if settings.cuda_graphs:  # before warm-up, which then runs the graphs too
+        resolved = worker.settings  # the device's defaults applied
+        cuda_graphs.install([runner.executor for runner in worker.runners], model, device,
+                            worker.batcher.boundaries, resolved.max_batch_size,
+                            resolved.max_batch_tokens, "cuda_graphs" in settings.model_fields_set)
     if settings.warmup:
         policy = worker.intake.targeted.policy
         observe = policy.model.observe if settings.latency_target_ms else None

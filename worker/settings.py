@@ -19,6 +19,7 @@ from pydantic_settings import (
 )
 
 from producer.protocol import DEFAULT_GROUP, DEFAULT_NAMESPACE
+from worker.policy.device_defaults import UNSET_STAYS_UNSET
 
 
 def default_consumer_name() -> str:
@@ -56,18 +57,20 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description=(
         "the dtype the model computes in; auto: bfloat16 on CUDA >= 8.0, float16 on older "
         "CUDA, float32 on a CPU. float32 on CUDA >= 8.0 allows TF32 matmuls"))
+    cuda_graphs: bool = Field(True, description="capture CUDA graphs at warm-up for fixed "
+                              "shapes, others run eagerly; ignored with one log line on a CPU")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: the "
                                "cores shared out among the processes and instances")
     instances: int | Literal["auto"] = Field("auto", description=(
-        "model instances in each process: batches computed at once from one queue, sharing "
-        "one copy of the weights (Triton's instance_group count). auto: on a CPU, one "
-        "single-threaded instance per core for a model that declares concurrent_forward "
-        "(the built-ins do), else one; on CUDA one per device"))
+        "model instances in each process: batches computed at once from one queue, sharing one "
+        "copy of the weights (Triton's instance_group count). auto, for a model that declares "
+        "concurrent_forward (the built-ins do): one single-threaded instance per CPU core, two "
+        "per CUDA device; else one"))
     cpu_cores: int = Field(0, ge=0, description="cores this process may use; 0: read from its "
                            "CPU affinity and cgroup quota (--processes gives each its share)")
 
-    max_batch_size: int = Field(32, gt=0)
-    max_batch_tokens: int = Field(8192, gt=0, description="cap on n x longest per batch")
+    max_batch_size: int = Field(32, gt=0, description="on CUDA 512 unless set")
+    max_batch_tokens: int = Field(8192, gt=0, description="n x longest; on CUDA 65536 unless set")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a batch may wait to fill "
                                "(static batching: unused when latency_target_ms is set)")
     latency_target_ms: float | None = Field(None, gt=0, description=(
@@ -90,12 +93,14 @@ class Settings(BaseSettings):
     controller_target_ms: float | None = Field(None, gt=0, description=(
         "the target of batch_controller aimd, step or cork (ms); latency_target_ms is "
         "redbatch's own"))
-    bucket_boundaries: list[int] | None = Field(None, description="None: the model's default")
+    bucket_boundaries: list[int] | None = Field(None, description="None: the model's (CUDA: "
+                                                "thinned to 1.5x steps)")
     merge_tokens: int | None = Field(None, ge=0, description=(
         "an unfilled batch absorbs another bucket when that adds at most this many padded "
         "tokens (the model's fixed cost per batch over its cost per padded token); none: "
         "measured at warm-up; 0 keeps buckets apart"))
-    max_inflight: int = Field(512, gt=0, description="entries read but not yet answered")
+    max_inflight: int = Field(512, gt=0, description="entries read, not yet answered; on "
+                              "CUDA 4096 unless set")
     read_count: int = Field(256, gt=0, description="most entries per XREADGROUP")
     block_ms: int = Field(1000, gt=0, description="XREADGROUP BLOCK; never 0")
 
@@ -242,9 +247,10 @@ SECRET_SETTINGS = ("redis_url", "redis_password")  # a URL may hold a password t
 
 def exported(settings: Settings) -> dict[str, str]:
     """Each set setting as text a flag or REDBATCH_* variable takes, secrets revealed: what
-    a child process is handed (secrets by environment only: a command line is public)."""
-    texts = {}
-    for name, value in settings.model_dump(mode="json").items():
+    a child process is handed (secrets by environment only: a command line is public). An
+    unset setting the child resolves for itself (device_defaults.py) is left out."""
+    texts, unset = {}, set(UNSET_STAYS_UNSET) - settings.model_fields_set
+    for name, value in settings.model_dump(mode="json", exclude=unset).items():
         if name == "redis_password" and settings.redis_password is not None:
             value = settings.redis_password.get_secret_value()
         if value is not None:

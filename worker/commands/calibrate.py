@@ -14,6 +14,7 @@ from worker.execution.calibration import (
 )
 from worker.execution.executor import Executor, dtype_name
 from worker.execution.memory import memory_probe
+from worker.policy.device_defaults import default_boundaries, on_device
 from worker.settings import Settings
 
 
@@ -21,9 +22,10 @@ def run_calibration(settings: Settings, repeats: int) -> int:
     """`python -m worker calibrate`: measure each bucket, write the file `run` will load."""
     writable_directory(settings.calibration_dir)  # before minutes of measuring, not after
     model, device = load_model(settings)
+    settings = on_device(settings, device.type)  # a GPU's batch limits, as `run` has them
     boundaries = settings.bucket_boundaries
     if boundaries is None:
-        boundaries = list(model.default_bucket_boundaries)
+        boundaries = default_boundaries(model.default_bucket_boundaries, device.type)
     try:
         buckets = calibrate(Executor(model, device),
                             memory_probe(device, settings.memory_limit_bytes), boundaries,

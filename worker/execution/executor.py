@@ -11,7 +11,7 @@ Split this way, the worker stages batch N+1 while batch N computes (double buffe
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,11 +101,15 @@ class Executor:
         self.device = device
         self.lanes = Lanes(device, timing)
         self.staging = PinnedStaging(pin=self.lanes.is_cuda)
+        # the model's captured CUDA graphs, replayed in place of its forward (cuda_graphs.py)
+        self.graphs: Callable[[Any], Any] | None = None
 
     def another(self) -> Executor:
         """One more executor for the same model and device, with its own streams and staging
-        buffers: a second model instance that shares the weights."""
-        return Executor(self.model, self.device, self.lanes.timing)
+        buffers: a second model instance that shares the weights (and the CUDA graphs)."""
+        executor = Executor(self.model, self.device, self.lanes.timing)
+        executor.graphs = self.graphs
+        return executor
 
     def stage(self, items: Sequence[Prepared], bucket: int = 0) -> Staged:
         """Collate on the host and start the copy to the device."""
@@ -123,7 +127,7 @@ class Executor:
             staged.copied.make_wait(self.lanes.compute_stream)
             compute_started = self.lanes.mark()
             with torch.inference_mode():
-                output = self.model.forward(staged.batch)
+                output = (self.graphs or self.model.forward)(staged.batch)
                 if self.lanes.is_cuda:  # elsewhere postprocess gets the output as it is
                     output = to_host(output)
             done = self.lanes.mark()

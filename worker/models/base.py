@@ -55,6 +55,11 @@ class Model(ABC):
     #: a generative model (models/generative.py): served token by token by the generate
     #: loop (pipeline/generate.py), not by collate/forward/postprocess
     generative: bool = False
+    #: forward may be captured as a CUDA graph per shape (execution/cuda_graphs.py): its
+    #: batch is a dict of (rows, length) tensors padded with zeros, its output one tensor
+    #: with a row per input row, and it never waits for the device (no .item(), no branch
+    #: on a tensor's values)
+    graph_capturable: bool = False
     #: the dtype to compute in (the `dtype` setting, resolved for the device), set by the
     #: worker before load(); a model that has only one may ignore it
     dtype: torch.dtype = torch.float32

@@ -58,6 +58,7 @@ class MiniLMModel(Model):
     default_bucket_boundaries = (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96, 128, 160,
                                  192, 256)
     concurrent_forward = True  # shared read-only weights; per-batch state stays local
+    graph_capturable = True  # zero-padded ids and mask in, one embedding per row out
 
     def __init__(self, path: str | None = None, max_seq_length: int = MAX_SEQ_LENGTH,
                  trace: bool | None = None) -> None:

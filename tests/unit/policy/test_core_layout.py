@@ -22,8 +22,14 @@ def test_auto_keeps_one_instance_for_a_model_not_safe_on_several_threads() -> No
     assert "concurrent_forward" in layout.reason
 
 
-def test_auto_on_cuda_is_one_instance_per_device() -> None:
+def test_auto_on_cuda_is_two_instances_per_device_for_a_concurrent_model() -> None:
     layout = choose_layout(AUTO, 0, cores=16, on_cpu=False, concurrent_forward=True)
+    assert (layout.instances, layout.threads) == (2, 16)
+    assert "per device" in layout.reason
+
+
+def test_auto_on_cuda_keeps_one_instance_for_a_model_not_safe_on_several_threads() -> None:
+    layout = choose_layout(AUTO, 0, cores=16, on_cpu=False, concurrent_forward=False)
     assert layout.instances == 1
 
 
