@@ -4,6 +4,7 @@ shapes, routing and refusal by the kind the workers announce, and /health."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import torch
 
 from producer.gateway.rerank_shapes import parse_rerank_request
@@ -127,6 +129,21 @@ def test_no_reranker_and_bad_bodies(redis_url: str, worker_factory: Callable[...
             assert assert_openai_error(rerank(base_url, body), 400)["param"] == param, body
         still = rerank(base_url, {"query": QUERY, "texts": ["still serving"]})
     assert still.status_code == 200 and still.json()[0]["index"] == 0
+
+
+def test_a_worker_that_announces_no_kind_and_answers_no_score_is_500(
+        r: redis.Redis, redis_url: str, worker_factory: Callable[..., Any]) -> None:
+    """A worker from before kinds (here: echo, its announcement stripped of its kind)."""
+    with worker_factory(model="echo", maintenance_interval_s=60), \
+            running_gateway(redis_url) as base_url:
+        for key, field in (("redbatch:workers:echo", None), ("redbatch:models", "echo")):
+            for name, value in r.hgetall(key).items():
+                if field is None or name.decode() == field:
+                    entry = json.loads(value)
+                    entry.pop("kind")
+                    r.hset(key, name, json.dumps(entry))
+        response = rerank(base_url, {"model": "echo", "query": QUERY, "texts": DOCS})
+    assert_openai_error(response, 500, "not_a_reranker_model")
 
 
 def test_parse_limits_the_documents() -> None:

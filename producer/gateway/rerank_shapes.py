@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from producer.gateway.errors import invalid, refuse_unsupported
+from producer.gateway.errors import ApiError, invalid, refuse_unsupported
 
 TEI, COHERE = "tei", "cohere"
 # TEI's `truncate`/`truncation_direction` and Cohere's `max_chunks_per_doc`/`rank_fields`
@@ -95,8 +95,19 @@ def worker_payloads(request: RerankRequest) -> list[dict[str, str]]:
     return [{"query": request.query, "text": text} for text in request.texts]
 
 
+def check_scores(results: list[Any]) -> None:
+    """500 unless every result is a reranker's answer (a worker from before kinds announces
+    none, so an embedding model may get here)."""
+    for result in results:
+        if not (isinstance(result, dict) and all(
+                isinstance(result.get(key), int | float) for key in ("score", "logit"))):
+            raise ApiError(500, "the model's result holds no 'score': not a reranker model",
+                           "not_a_reranker_model", "model")
+
+
 def rerank_response(request: RerankRequest, results: list[dict[str, Any]]) -> Any:
     """The worker's results (in document order) ranked, in the request's dialect."""
+    check_scores(results)
     key = "logit" if request.raw_scores else "score"
     ranked = sorted(range(len(results)), key=lambda i: -float(results[i][key]))
     ranked = ranked[:request.top_n] if request.top_n else ranked
