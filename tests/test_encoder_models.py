@@ -83,6 +83,7 @@ def test_each_pooling_as_the_directory_says(models_dir: Path, pooling: str,
     path = encoder_dir(models_dir, pooling, normalize)
     got, tokens = embed(path)
     want = direct_embeddings(path, pooling, normalize)
+    assert torch.allclose(embed(path, trace=False)[0], want, atol=1e-4)  # eager, as traced
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     norms = torch.linalg.vector_norm(got, dim=1)
     assert torch.allclose(norms, torch.ones(len(TEXTS)), atol=1e-4) is normalize
@@ -158,6 +159,11 @@ def test_reranker_scores_equal_a_direct_forward(cross_encoder: Path) -> None:
                           atol=1e-5)
     assert len({round(r["score"], 4) for r in got}) == len(texts)  # the texts are told apart
     assert model.sample(20).length == 20
+    assert isinstance(model.scorer, torch.jit.ScriptModule)  # on a CPU: traced, as checked
+    eager = create_model("reranker", {"path": str(cross_encoder), "trace": False})
+    eager.load(CPU)
+    assert not isinstance(eager.scorer, torch.jit.ScriptModule)
+    assert torch.allclose(eager.forward(eager.collate(items)), logits, atol=1e-4)
 
 
 def test_an_encoder_worker_end_to_end(redis_url: str, r: redis.Redis,

@@ -6,16 +6,13 @@ a Normalize module in modules.json, sentence_bert_config.json). Pipeline: trunca
 max_seq_length tokens, the encoder, pooling over the attention mask, optional L2
 normalisation, as sentence-transformers computes it. MiniLM (minilm.py) is one instance.
 
-On a CPU the encoder runs as a TorchScript trace: about 200 operators without a Python step
-between them, and without the GIL, so that model instances on other threads, the reader and
-the replier run alongside. The trace is kept only if it gives eager's results on shapes it was
-not traced with.
+On a CPU the encoder runs as a TorchScript trace (tracing.py), kept only if it gives eager's
+results on shapes it was not traced with.
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -23,16 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import structlog
 import torch
 import torch.nn.functional as F
 
 from producer.embeddings import ENCODINGS, FLOAT32, FLOAT_LIST, as_float32_bytes
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.encoder_dir import POOLINGS, EncoderDirError, EncoderLayout, read_layout
+from worker.models.tracing import traced_or_none
 
 FILLER_TEXT = "this"  # any ordinary word piece costs the same to compute
-log = structlog.get_logger("redbatch.encoder")
+TRACE_SHAPES = ((16, 9), (7,), (40, 5, 33))  # traced on the first batch, checked on the others
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -124,22 +121,8 @@ class EncoderModel(Model):
     def _traced(self) -> torch.nn.Module | None:
         """The encoder traced on one padded batch, if it matches eager on others."""
         example, *checks = [self._inputs([self.sample(length) for length in lengths])
-                            for lengths in ((16, 9), (7,), (40, 5, 33))]
-        eager = self.encoder
-        with torch.inference_mode(), warnings.catch_warnings():
-            # It warns of the branches it fixes; the checks below are what count.
-            warnings.simplefilter("ignore")
-            try:
-                traced = torch.jit.trace(eager, example, check_trace=False)
-                matches = all(torch.allclose(traced(*inputs), eager(*inputs), atol=1e-5)
-                              for inputs in checks)
-            except Exception as exc:
-                log.warning("encoder.trace_failed", error=f"{type(exc).__name__}: {exc}")
-                return None
-        if not matches:
-            log.warning("encoder.trace_differs", hint="running eager")
-            return None
-        return traced
+                            for lengths in TRACE_SHAPES]
+        return traced_or_none(self.encoder, example, checks)
 
     def _inputs(self, items: Sequence[Prepared]) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.collate(items)

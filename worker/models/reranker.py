@@ -2,7 +2,8 @@
 
 `model_options`: `path` (a Hugging Face sequence-classification model with one label, as
 sentence-transformers' CrossEncoder saves it: bge-reranker, ms-marco-MiniLM...), and
-optionally `max_seq_length` (default: the model's limit, encoder_dir.model_limit).
+optionally `max_seq_length` (default: the model's limit, encoder_dir.model_limit) and `trace`
+(run it as a TorchScript trace, tracing.py; default: on a CPU).
 
 One request is one (query, text) pair: `{"query": <string>, "text": <string>}` answers
 `{"score", "logit", "tokens"}`. The pair is tokenised together (truncated longest first, as
@@ -25,9 +26,11 @@ import torch
 
 from producer.liveness import Kind
 from worker.models.base import InvalidInput, Model, Prepared
-from worker.models.encoder import FILLER_TEXT, load_tokenizer
+from worker.models.encoder import FILLER_TEXT, TRACE_SHAPES, load_tokenizer
 from worker.models.encoder_dir import EncoderDirError, model_limit, read_json
+from worker.models.tracing import traced_or_none
 
+BATCH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # CrossEncoderLogits' order
 PAIR_MESSAGE = 'payload must be an object {"query": <string>, "text": <string>}'
 
 
@@ -39,12 +42,32 @@ class Pair:
     types: list[int]
 
 
+class CrossEncoderLogits(torch.nn.Module):
+    """The classifier's one logit per pair, in float32: a module of tensors alone, to trace."""
+
+    def __init__(self, classifier: torch.nn.Module, token_types: bool) -> None:
+        super().__init__()
+        self.classifier = classifier
+        self.token_types = token_types  # RoBERTa-likes have one token type, DistilBERT none
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor) -> torch.Tensor:
+        extra = {"token_type_ids": token_type_ids} if self.token_types else {}
+        logits = self.classifier(input_ids=input_ids, attention_mask=attention_mask,
+                                 **extra).logits
+        return logits[:, 0].float()
+
+
 class RerankerModel(Model):
     kind = Kind.RERANKER
     default_bucket_boundaries: Sequence[int] = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
     concurrent_forward = True  # shared read-only weights; per-batch state stays local
 
-    def __init__(self, path: str | None = None, max_seq_length: int | None = None) -> None:
+    def __init__(self, path: str | None = None, max_seq_length: int | None = None,
+                 trace: bool | None = None) -> None:
+        if trace not in (None, True, False):
+            raise ValueError(f"trace must be true, false or null (on a CPU); got {trace!r}")
+        self.trace = trace
         if not path:
             raise ValueError("the reranker model needs a `path` to a local model directory")
         self.path = Path(path)
@@ -67,10 +90,19 @@ class RerankerModel(Model):
         from transformers import AutoModelForSequenceClassification
 
         self.tokenizer = load_tokenizer(self.path, self.max_seq_length)
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.path).eval()
-        self.model.to(device, self.dtype)
-        self.token_types = self.model.config.type_vocab_size > 1 if hasattr(
-            self.model.config, "type_vocab_size") else False
+        self.device = device
+        classifier = AutoModelForSequenceClassification.from_pretrained(self.path).eval()
+        classifier.to(device, self.dtype)
+        token_types = getattr(classifier.config, "type_vocab_size", 0) > 1
+        self.scorer: torch.nn.Module = CrossEncoderLogits(classifier, token_types)
+        if self.trace or (self.trace is None and device.type == "cpu"):
+            example, *checks = [self._inputs([self.sample(length) for length in lengths])
+                                for lengths in TRACE_SHAPES]
+            self.scorer = traced_or_none(self.scorer, example, checks, atol=1e-4) or self.scorer
+
+    def _inputs(self, items: Sequence[Prepared]) -> tuple[torch.Tensor, ...]:
+        batch = self.collate(items)
+        return tuple(batch[name].to(self.device) for name in BATCH_INPUTS)
 
     def prepare(self, payload: Any, nbytes: int) -> Prepared:
         [prepared] = self.prepare_many([(payload, nbytes)])
@@ -119,10 +151,8 @@ class RerankerModel(Model):
         return batch
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if not self.token_types:
-            batch = {k: v for k, v in batch.items() if k != "token_type_ids"}
-        logits: torch.Tensor = self.model(**batch).logits
-        return logits[:, 0].float()
+        logits: torch.Tensor = self.scorer(*(batch[name] for name in BATCH_INPUTS))
+        return logits
 
     def postprocess(self, output: torch.Tensor, items: Sequence[Prepared]) -> list[Any]:
         logits = output.float()
