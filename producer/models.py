@@ -1,4 +1,4 @@
-"""The clients' model discovery: which models have a live worker, and which are generative.
+"""The clients' model discovery: which models have a live worker, and of which kind.
 
 Read from the workers' announcements (the registry `<ns>:models` and `<ns>:workers:<model>`)
 with the gateway's liveness rule (producer/liveness.py): a worker is live when it announced
@@ -15,8 +15,10 @@ from redis.exceptions import ResponseError
 
 from producer import protocol
 from producer.liveness import (
+    Kind,
     announced,
-    generative_of,
+    kind_of,
+    kind_said,
     live_workers,
     registry_entry,
     registry_seen_ms,
@@ -30,20 +32,28 @@ UNKNOWN_KIND_S = 2.0  # no announcement yet: asked again after this long
 @dataclass(frozen=True, slots=True)
 class LiveModel:
     name: str
-    generative: bool | None  # None: its workers did not say
+    announced: Kind | None  # None: its workers did not say
     workers: int  # live workers
 
     @property
     def kind(self) -> str:
-        return {True: "generative", False: "batch", None: "unknown"}[self.generative]
+        return self.announced or "unknown"
+
+    @property
+    def generative(self) -> bool | None:
+        return None if self.announced is None else self.announced is Kind.GENERATIVE
 
 
 class ModelKind:
-    """A client's cached answer to "is the model generative?", so each submit need not ask."""
+    """A client's cached answer to "what kind is the model?", so each submit need not ask."""
 
     def __init__(self) -> None:
-        self.generative: bool | None = None
+        self.announced: Kind | None = None
         self._until = 0.0
+
+    @property
+    def generative(self) -> bool | None:
+        return None if self.announced is None else self.announced is Kind.GENERATIVE
 
     def stale(self) -> bool:
         return time.monotonic() >= self._until
@@ -51,13 +61,11 @@ class ModelKind:
     def learn(self, workers_raw: Any, entry: Any) -> None:
         """From the workers hash (HGETALL) and the registry entry (HGET)."""
         raw = workers_raw if isinstance(workers_raw, dict) else {}
-        generative = generative_of(announced(raw))
-        if generative is None:
-            said = registry_entry(entry).get("generative") if entry is not None else None
-            generative = said if isinstance(said, bool) else None
-        self.generative = generative
-        self._until = time.monotonic() + (
-            UNKNOWN_KIND_S if generative is None else KNOWN_KIND_S)
+        kind = kind_of(announced(raw))
+        if kind is None and entry is not None:
+            kind = kind_said(registry_entry(entry))
+        self.announced = kind
+        self._until = time.monotonic() + (UNKNOWN_KIND_S if kind is None else KNOWN_KIND_S)
 
 
 def kind_keys(namespace: str, model: str) -> tuple[str, str]:
@@ -83,7 +91,7 @@ def live_of(models: list[str], hashes: list[Any], now_ms: float,
         raw = raw if isinstance(raw, dict) else {}  # squatted by another type
         live = live_workers(announced(raw), now_ms, idle_s * 1000)
         if live:
-            found[model] = LiveModel(model, generative_of(live), len(live))
+            found[model] = LiveModel(model, kind_of(live), len(live))
     return found
 
 

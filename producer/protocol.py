@@ -82,7 +82,7 @@ def internal_keys(namespace: str, model: str, shard: int | None = None) -> dict[
 
 
 def models_key(namespace: str) -> str:
-    """The model registry, a hash model -> JSON {"seen_ms", "generative"}: every worker
+    """The model registry, a hash model -> JSON {"seen_ms", "kind"}: every worker
     refreshes its model's entry when it announces itself, so the gateway lists the models
     without scanning the keyspace."""
     return f"{namespace}:models"

@@ -230,7 +230,7 @@ def describe_worker(settings: Settings, layout: Layout, model: Model, device: to
     latency target the observed percentile and the margin (read under the worker's lock)."""
     static = {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
               "dtype": dtype_name(model.dtype), "model": settings.model,
-              "generative": model.generative, "started_ms": int(time.time() * 1000)}
+              "kind": model.announced_kind().value, "started_ms": int(time.time() * 1000)}
     policy = targeted.policy
     if not settings.latency_target_ms:
         return lambda: static

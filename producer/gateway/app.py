@@ -1,5 +1,5 @@
 """The routes: POST /v1/embeddings, /v1/chat/completions and /v1/completions (generation.py),
-GET /v1/models, /metrics, /healthz and /readyz.
+/v1/rerank (rerank.py), GET /v1/models, /metrics, /healthz (alias /health) and /readyz.
 
 `create_app(settings)` is the composition root: one Redis client per process (built by
 `producer.connection.async_client`, so `redis_url` takes the same forms as everywhere else:
@@ -41,7 +41,9 @@ from producer.gateway.openai_shapes import (
     models_response,
     parse_embedding_request,
 )
+from producer.gateway.rerank import rerank
 from producer.gateway.settings import GatewaySettings, load_gateway_settings
+from producer.liveness import Kind
 
 log = structlog.get_logger("redbatch.gateway")
 
@@ -93,16 +95,16 @@ class Gateway:
             raise errors.invalid(f"the body is not valid JSON: {exc}", None,
                                  "invalid_json") from None
 
-    async def require_live(self, model: str, generative: bool) -> None:
-        """404, 503, or 400 when the model's workers announced the other kind (an
-        embedding route on a generative model, or the reverse)."""
+    async def require_live(self, model: str, kind: Kind) -> None:
+        """404, 503, or 400 when the model's workers announced another kind than the
+        route's (an embedding route on a generative model or a reranker...)."""
         info = await self.discovery.info(model)
         if info.state is ModelState.UNKNOWN:
             raise errors.unknown_model(model)
         if info.state is ModelState.NO_WORKER:
             raise errors.no_live_worker(model)
-        if info.generative is not None and info.generative != generative:
-            raise errors.wrong_model_kind(model, info.generative)
+        if info.kind is not None and info.kind is not kind:
+            raise errors.wrong_model_kind(model, info.kind)
 
 
 def body_too_large(limit: int) -> ApiError:
@@ -114,7 +116,7 @@ async def embeddings(request: Request) -> Response:
     gateway.authorize(request)
     parsed = parse_embedding_request(await gateway.json_body(request),
                                      gateway.settings.max_inputs)
-    await gateway.require_live(parsed.model, generative=False)
+    await gateway.require_live(parsed.model, Kind.EMBEDDING)
     metrics.INPUTS.labels(parsed.model).inc(len(parsed.inputs))
     envelopes = await gateway.dispatcher.run(parsed.model, [{"text": t} for t in parsed.inputs])
     for envelope in envelopes:
@@ -208,10 +210,14 @@ def create_app(settings: GatewaySettings | None = None) -> Any:
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/rerank", rerank, methods=["POST"]),  # TEI's path
+        Route("/v1/rerank", rerank, methods=["POST"]),  # Cohere's v1, Jina's, vLLM's
+        Route("/v2/rerank", rerank, methods=["POST"]),  # Cohere's v2
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", healthz, methods=["GET"]),  # TEI's and vLLM's name for it
         Route("/readyz", readyz, methods=["GET"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
                            RedisError: redis_error, RedisClusterException: redis_error,

@@ -1,11 +1,11 @@
-"""Which models exist, which have live workers, and which are generative, read from Redis
+"""Which models exist, which have live workers, and of which kind, read from Redis
 (XINFO and the workers' announcements), cached briefly.
 
 A model exists when its request stream has the workers' consumer group; it is live when some
 consumer of that group was seen within `live_worker_idle_s`: XINFO CONSUMERS `idle`, or the
 `seen_ms` a worker announces every maintenance interval (`<ns>:workers:<model>`; before
 Redis 7.2, `idle` counts only reads that delivered entries, so an idle worker looks gone).
-The announcements also say whether the model is generative. The short cache keeps the
+The announcements also say the model's kind (liveness.Kind). The short cache keeps the
 per-request cost off the hot path; each process keeps its own, so the gateway stays
 stateless.
 
@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from producer import protocol
-from producer.liveness import announced, generative_of, live_workers, registry_seen_ms
+from producer.liveness import Kind, announced, kind_of, live_workers, registry_seen_ms
 
 
 class ModelState(StrEnum):
@@ -43,7 +43,7 @@ def _text(value: Any) -> str:
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     state: ModelState
-    generative: bool | None = None  # None: no worker announced it
+    kind: Kind | None = None  # None: no worker announced it
     created_s: int | None = None  # when its longest-running worker started
 
 
@@ -80,13 +80,13 @@ class Discovery:
             return ModelInfo(ModelState.UNKNOWN)
         consumers = await self.redis.xinfo_consumers(stream, self.group)
         workers = announced(await self._hash(protocol.workers_key(self.namespace, model)))
-        generative = generative_of(workers)
+        kind = kind_of(workers)
         starts = [w["started_ms"] for w in workers if isinstance(w.get("started_ms"), int)]
         created = min(starts) // 1000 if starts else None
         if any(int(c["idle"]) < self.idle_ms for c in consumers) or live_workers(
                 workers, time.time() * 1000, self.idle_ms):
-            return ModelInfo(ModelState.LIVE, generative, created)
-        return ModelInfo(ModelState.NO_WORKER, generative, created)
+            return ModelInfo(ModelState.LIVE, kind, created)
+        return ModelInfo(ModelState.NO_WORKER, kind, created)
 
     async def live_models(self) -> list[tuple[str, int]]:
         """(model, created Unix s) of every model with a live worker, sorted by name; created

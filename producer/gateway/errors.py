@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from producer.liveness import Kind
 from producer.protocol import ErrorCode
 
 # OpenAI's `error.type` per status: SDKs branch on the status, people read the type.
@@ -86,12 +87,17 @@ def unknown_model(model: str) -> ApiError:
                     "model_not_found", "model")
 
 
-def wrong_model_kind(model: str, generative: bool) -> ApiError:
-    routes = ("/v1/chat/completions or /v1/completions" if generative
-              else "/v1/embeddings")
-    kind = "a generative model" if generative else "not a generative model"
-    return ApiError(400, f"the model '{model}' is {kind}: use {routes}", "wrong_model_kind",
-                    "model")
+ROUTES_OF_KIND = {Kind.EMBEDDING: "/v1/embeddings",
+                  Kind.GENERATIVE: "/v1/chat/completions or /v1/completions",
+                  Kind.RERANKER: "/v1/rerank"}
+
+
+def wrong_model_kind(model: str, kind: Kind) -> ApiError:
+    """The route does not serve the model's kind: the message names the routes that do."""
+    article = "an" if kind.value[0] in "aeiou" else "a"
+    return ApiError(400, f"the model '{model}' is {article} {kind.value} model: use "
+                    f"{ROUTES_OF_KIND[kind]}",
+                    "wrong_model_kind", "model")
 
 
 def no_live_worker(model: str) -> ApiError:

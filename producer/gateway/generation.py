@@ -40,6 +40,7 @@ from producer.gateway.generation_shapes import (
     usage_chunk,
 )
 from producer.gateway.metrics import FOREIGN_ENVELOPES
+from producer.liveness import Kind
 from producer.request_base import block_slices
 
 Entry = tuple[str, dict[str, Any]]
@@ -232,7 +233,7 @@ async def generate(request: Request, parse: Callable[[Any], GenerationRequest]) 
     gateway = request.app.state.gateway
     gateway.authorize(request)
     parsed = parse(await gateway.json_body(request))
-    await gateway.require_live(parsed.model, generative=True)
+    await gateway.require_live(parsed.model, Kind.GENERATIVE)
     generations: Generations = gateway.generations
     request_id = await generations.submit(parsed.model, parsed.payload)
     if parsed.stream:

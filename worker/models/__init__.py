@@ -9,6 +9,8 @@ from worker.models.base import InvalidInput, Model, Prepared
 
 BUILTIN = {
     "minilm": "worker.models.minilm:MiniLMModel",
+    "encoder": "worker.models.encoder:EncoderModel",
+    "reranker": "worker.models.reranker:RerankerModel",
     "echo": "worker.models.echo:EchoModel",
     "causal_lm": "worker.models.generative:CausalLM",
     "smollm2": "worker.models.smollm2:SmolLM2",

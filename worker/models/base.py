@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from producer.liveness import Kind
+
 
 class InvalidInput(ValueError):
     """The payload is not a valid input for this model; answered as `invalid_request`.
@@ -60,6 +62,9 @@ class Model(ABC):
     #: with a row per input row, and it never waits for the device (no .item(), no branch
     #: on a tensor's values)
     graph_capturable: bool = False
+    #: what the model serves, announced to the gateway and the clients, which route and
+    #: refuse by it (liveness.Kind); a generative model is always Kind.GENERATIVE
+    kind: Kind = Kind.EMBEDDING
     #: the dtype to compute in (the `dtype` setting, resolved for the device), set by the
     #: worker before load(); a model that has only one may ignore it
     dtype: torch.dtype = torch.float32
@@ -101,6 +106,10 @@ class Model(ABC):
     @abstractmethod
     def postprocess(self, output: Any, items: Sequence[Prepared]) -> list[Any]:
         """One serialisable result per item, in order (on CUDA, `output` is already on the host)."""
+
+    def announced_kind(self) -> Kind:
+        """The kind the worker announces: the generate loop serves only generative models."""
+        return Kind.GENERATIVE if self.generative else self.kind
 
     def answers_on_stream(self, payload: Any) -> bool:
         """A generative model: whether an error about this payload (None: undecodable) goes

@@ -64,8 +64,7 @@ ANNOUNCE_TTL_INTERVALS = 10  # the workers hash outlives the last worker by this
 def registry_entry(described: Mapping[str, Any]) -> str:
     """A model's value in the registry (protocol.models_key): when a worker of it was last
     seen, and its kind."""
-    return json.dumps({"seen_ms": described["seen_ms"],
-                       "generative": described.get("generative")})
+    return json.dumps({"seen_ms": described["seen_ms"], "kind": described.get("kind")})
 
 
 class Maintenance:

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from producer import AsyncClient, Client, RequestFailed
+from producer.liveness import Kind
 from producer.models import LiveModel
 from tests.rigs.tiny_lm import build_tiny_lm
 
@@ -92,8 +93,8 @@ def test_models_lists_the_models_with_a_live_worker(
     client = Client(redis_url, "echo")
     with worker_factory(model="echo"):
         found = client.models()
-        assert found == {"causal_lm": LiveModel("causal_lm", True, 1),
-                         "echo": LiveModel("echo", False, 1)}
+        assert found == {"causal_lm": LiveModel("causal_lm", Kind.GENERATIVE, 1),
+                         "echo": LiveModel("echo", Kind.EMBEDDING, 1)}
         assert found["causal_lm"].kind == "generative"
     # a worker that stopped cleanly took its entry with it; one that died left a stale one
     stale = json.dumps({"seen_ms": int(time.time() * 1000) - 60_000, "generative": False})
