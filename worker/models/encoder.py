@@ -87,12 +87,12 @@ class EncoderModel(Model):
             raise ValueError(f"pooling must be one of {list(POOLINGS)}; got {pooling!r}")
         if normalize not in (None, True, False):
             raise ValueError(f"normalize must be true or false; got {normalize!r}")
-        self.layout = self.read(path, pooling, normalize, max_seq_length)
+        self.layout = self.read_layout(path, pooling, normalize, max_seq_length)
         self.path = self.layout.model_path
         self.max_seq_length = self.layout.max_seq_length
         self.trace = trace
 
-    def read(self, path: str | None, pooling: str | None, normalize: bool | None,
+    def read_layout(self, path: str | None, pooling: str | None, normalize: bool | None,
              max_seq_length: int | None) -> EncoderLayout:
         """The directory's layout, with the options given in place of what it says."""
         if not path:
