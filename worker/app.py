@@ -32,6 +32,7 @@ from worker.execution.memory import MemoryProbe, memory_probe
 from worker.execution.runner import BatchRunner
 from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
+from worker.models.weights_cache import default_cache_dir
 from worker.observe.startup import logged_step
 from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
@@ -97,6 +98,7 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
     except (ModelLoadError, ValueError) as exc:
         raise StartupError(str(exc)) from None
     model.dtype = getattr(torch, precision.dtype)
+    model.cache_dir = settings.cache_dir or default_cache_dir()
     torch.set_num_threads(resolve_layout(settings, model, device).threads)
     started = time.perf_counter()
     log.info("model.loading", model=settings.model, device=str(device))

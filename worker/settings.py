@@ -133,6 +133,9 @@ class Settings(BaseSettings):
     log_format: str = Field("auto", pattern="^(auto|json|console)$")
     log_interval_s: float = Field(60.0, ge=0, description="a progress line this often; 0: none")
     data_dir: Path = Field(Path(".redbatch"), description="embedded Redis data")
+    cache_dir: Path | None = Field(None, description=(
+        "where a model keeps what it derives from its weights between starts (a GGUF "
+        "file's dequantised tensors); none: $XDG_CACHE_HOME/redbatch or ~/.cache/redbatch"))
 
     @field_validator("instances", mode="before")
     @classmethod
