@@ -112,3 +112,20 @@ def test_help_lists_serve_and_each_default() -> None:
                     "(default: redbatch)"):
         assert default in flat, default
     assert "hunter2" not in done.stdout and "now redis://:***@127.0.0.1:6390/0" in flat
+
+
+def test_a_bad_gateway_setting_names_where_it_came_from(monkeypatch: Any) -> None:
+    from producer.gateway.settings import GatewaySettingsError, load_gateway_settings
+
+    for name in ("REDBATCH_PORT", "REDBATCH_MAX_INPUTS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("REDBATCH_MAX_INPUTS", "many")
+    try:
+        load_gateway_settings(port="abc")
+    except GatewaySettingsError as exc:
+        lines = str(exc).splitlines()
+    else:
+        raise AssertionError("the settings were accepted")
+    assert any(line.startswith("invalid setting 'port' from --port (flag): ") for line in lines)
+    assert any(line.startswith("invalid setting 'max_inputs' from REDBATCH_MAX_INPUTS "
+                               "(environment): ") for line in lines), lines

@@ -93,6 +93,9 @@ def test_a_command_lists_only_the_settings_it_reads(helps: dict[str, str]) -> No
     assert "--max-batch-size" not in helps["stats"] and "--model " not in helps["stats"]
     assert "--redis-url" not in helps["calibrate"]
     assert "--max-batch-size" in helps["calibrate"] and "--model " in helps["dead-letters"]
+    # the others are accepted as a file or variable would be (a script's common flags)
+    args = build_parser().parse_args(["stats", "--max-batch-size", "4", "--json"])
+    assert args.max_batch_size == "4" and args.json
 
 
 @pytest.mark.parametrize("command", ["run", "calibrate"])

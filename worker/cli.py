@@ -34,6 +34,8 @@ COMMAND_SETTINGS: dict[str, frozenset[str] | None] = {
         "memory_high_watermark", *LOGS)),
     "stats": frozenset((*CONNECTION, "group", *LOGS)),
 }
+OTHER_SETTINGS = ("The other worker settings (`python -m worker run --help`) are accepted "
+                  "too,\nas in the environment and a --config file, and not read.")
 STATS_HELPS = {"redis_url": (
     "the Redis to read: redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/service"
     "[/db] or rediss+sentinel://; none: the embedded Redis of a worker running in this "
@@ -46,7 +48,8 @@ def add_command(commands: Any, name: str, help: str,
                 helps: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """A subcommand: its own flags first (`own`), then the settings it reads, by group."""
     parser: argparse.ArgumentParser = commands.add_parser(
-        name, usage=USAGE, help=help, description=help, formatter_class=HelpFormatter)
+        name, usage=USAGE, help=help, description=help, formatter_class=HelpFormatter,
+        epilog=None if COMMAND_SETTINGS[name] is None else OTHER_SETTINGS)
     parser.add_argument("--config", type=Path, help="TOML settings file (flags override it, "
                         "and REDBATCH_* variables; it overrides the defaults)")
     if own is not None:

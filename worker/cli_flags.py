@@ -69,13 +69,13 @@ def add_setting_flags(parser: argparse.ArgumentParser, names: Collection[str] | 
     fields = Settings.model_fields
     for group, about, members in GROUPS:
         chosen = [n for n in members if names is None or n in names]
-        if not chosen:
-            continue
-        section = parser.add_argument_group(f"worker settings: {group}", about)
-        for name in chosen:
+        section = parser.add_argument_group(f"worker settings: {group}", about) if chosen \
+            else parser
+        for name in members:  # the others are accepted, unlisted: as in a file or variable
             section.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
-                                 metavar=metavar(fields[name]),
-                                 help=setting_help(name, fields[name], (helps or {}).get(name)))
+                                 metavar=metavar(fields[name]), help=argparse.SUPPRESS
+                                 if name not in chosen else
+                                 setting_help(name, fields[name], (helps or {}).get(name)))
 
 
 def setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
