@@ -38,19 +38,46 @@ __all__ = ["InputError", "RunSummary", "main", "run_requests"]
 WORKER_POLL_S = 0.2
 
 
+USAGE = """python -m producer [options] [input]      send a file's lines, write results
+       python -m producer serve [options]        run the HTTP gateway (serve --help)"""
+COMMANDS_EPILOG = """commands:
+  (none)   send the input's lines as requests, write the results as JSONL (this help)
+  serve    the OpenAI-compatible HTTP gateway: /v1/embeddings, /v1/chat/completions, ...
+           (`python -m producer serve --help` lists its flags)"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default, unless its help says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: {action.default})".strip()
+
+
+def default_model() -> str:
+    """$REDBATCH_MODEL_NAME, else the name the worker derives from $REDBATCH_MODEL."""
+    return os.environ.get("REDBATCH_MODEL_NAME") or os.environ.get(
+        "REDBATCH_MODEL", "minilm").rpartition(":")[2].lower()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     usage=USAGE, epilog=COMMANDS_EPILOG,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("input", nargs="?", default="-", help="file, or - for stdin (default)")
     parser.add_argument("-o", "--output", default="-", help="results file (default stdout)")
-    parser.add_argument("--model", default=os.environ.get("REDBATCH_MODEL_NAME") or os.environ.get(
-        "REDBATCH_MODEL", "minilm").rpartition(":")[2].lower(),  # the worker's own variables
-        help="the model's stream name (default: $REDBATCH_MODEL_NAME, else as the worker "
-        "derives it from $REDBATCH_MODEL, else minilm)")
-    parser.add_argument("--redis-url", default=os.environ.get("REDBATCH_REDIS_URL")
-                        or local_url() or DEFAULT_URL,  # a worker's embedded Redis, if here
+    model = default_model()
+    parser.add_argument("--model", default=model, help="the model's stream name (default: "
+                        "$REDBATCH_MODEL_NAME, else as the worker derives it from "
+                        f"$REDBATCH_MODEL, else minilm; now {model})")
+    url = os.environ.get("REDBATCH_REDIS_URL") or local_url() or DEFAULT_URL
+    parser.add_argument("--redis-url", default=url,  # a worker's embedded Redis, if here
                         help="redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/"
-                        "service[/db] or rediss+sentinel://")
+                        "service[/db] or rediss+sentinel:// (default: $REDBATCH_REDIS_URL, "
+                        f"else a local worker's .redbatch/redis.url, else {DEFAULT_URL}; "
+                        f"now {redacted(url)})")
     parser.add_argument("--redis-cluster", action="store_true",
                         default=os.environ.get("REDBATCH_REDIS_CLUSTER", "") in ("1", "true"),
                         help="--redis-url is a seed node of a Redis Cluster")
@@ -58,11 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                         default=int(os.environ.get("REDBATCH_REPLICAS_TO_WAIT", "-1")),
                         help="WAIT for this many replicas after each XADD, resubmitting "
                         "(idempotently) when short; -1: 1 where the master has one; 0: off"),
-    parser.add_argument("--namespace", default=protocol.DEFAULT_NAMESPACE)
+    parser.add_argument("--namespace", default=protocol.DEFAULT_NAMESPACE,
+                        help="every key's prefix, as the worker's --namespace")
     parser.add_argument("--json", action="store_true", help="send JSON instead of msgpack")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds each request may wait for its reply once sent")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--window", type=int, default=1000,
                         help="requests in flight at most (sent, result not yet written)")
     parser.add_argument("--max-backlog", type=int, default=None,

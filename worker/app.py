@@ -33,6 +33,7 @@ from worker.execution.guarded_runner import BatchRunner
 from worker.execution.memory import MemoryProbe, memory_probe
 from worker.models import Model, ModelLoadError, create_model
 from worker.models.generative import CausalLM
+from worker.models.weights_cache import default_cache_dir
 from worker.observe.startup import logged_step
 from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
@@ -47,6 +48,7 @@ from worker.policy.governor import (
 )
 from worker.policy.latency import LatencyPolicy
 from worker.policy.layout import Layout, choose_layout
+from worker.policy.precision import UnsupportedDtype
 from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
 from worker.streams import sharding
@@ -62,7 +64,13 @@ UNMEASURED_MERGE_TOKENS = 32  # a small encoder's on CPU, until warm-up measures
 
 
 class StartupError(Exception):
-    """The worker cannot start; the message says why, for the user."""
+    """The worker cannot start; the message says why, for the user. `settings`: those it is
+    about that it names only as words (dtype, model), for the CLI to say where each came
+    from (setting_sources.py; names like max_batch_size are found in the message)."""
+
+    def __init__(self, message: str, settings: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.settings = settings
 
 
 def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False,
@@ -94,11 +102,17 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
     """The model loaded on its device, in the dtype the settings resolve to there."""
     try:
         model = create_model(settings.model, settings.model_options)
+    except ModelLoadError as exc:
+        raise StartupError(str(exc), ("model",)) from None
+    try:
         device = resolve_device(settings.device)
         precision = device_precision(settings.dtype, device)
-    except (ModelLoadError, ValueError) as exc:
-        raise StartupError(str(exc)) from None
+    except UnsupportedDtype as exc:
+        raise StartupError(str(exc), ("dtype",)) from None
+    except ValueError as exc:
+        raise StartupError(str(exc), ("device",)) from None
     model.dtype = getattr(torch, precision.dtype)
+    model.cache_dir = settings.cache_dir or default_cache_dir()
     torch.set_num_threads(resolve_layout(settings, model, device).threads)
     started = time.perf_counter()
     log.info("model.loading", model=settings.model, device=str(device))
@@ -106,7 +120,7 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
         model.load(device)
     except Exception as exc:  # plugin code: any failure to load is a start-up error
         raise StartupError(f"cannot load model {settings.model!r}: "
-                           f"{type(exc).__name__}: {exc}") from None
+                           f"{type(exc).__name__}: {exc}", ("model",)) from None
     log.info("model.loaded", model=settings.model, device=str(device), dtype=precision.describe(),
              why=precision.reason, seconds=round(time.perf_counter() - started, 2))
     return model, device

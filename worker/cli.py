@@ -3,116 +3,110 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from worker.cli_flags import (
+    HelpFormatter,
+    add_setting_flags,
+    entry_id,
+    positive,
+    setting_overrides,
+)
 from worker.observe.log import configure_logging
 from worker.settings import Settings, SettingsError, load_settings
 
 COMMANDS = ("run", "demo", "dead-letters", "calibrate", "stats")
-USAGE = "%(prog)s [--flag value ...] (--help lists them)"  # not all 50 settings' flags
-ENTRY_ID = re.compile(r"\d+-\d+")
+USAGE = "%(prog)s [--flag value ...] (--help lists them: its own, then the settings)"
+CONNECTION = ("redis_url", "redis_password", "redis_cluster", "namespace", "data_dir")
+LOGS = ("log_level", "log_format")
+# The settings each command reads (None: all); the others are left off its --help.
+COMMAND_SETTINGS: dict[str, frozenset[str] | None] = {
+    "run": None, "demo": None,
+    "dead-letters": frozenset((*CONNECTION, "model", "model_name", "block_ms", *LOGS)),
+    "calibrate": frozenset((
+        "model", "model_name", "model_options", "device", "dtype", "torch_threads",
+        "instances", "cpu_cores", "cache_dir", "max_batch_size", "max_batch_tokens",
+        "bucket_boundaries", "calibration_dir", "memory_limit_bytes",
+        "memory_high_watermark", *LOGS)),
+    "stats": frozenset((*CONNECTION, "group", *LOGS)),
+}
+OTHER_SETTINGS = ("The other worker settings (`python -m worker run --help`) are accepted "
+                  "too,\nas in the environment and a --config file, and not read.")
+STATS_HELPS = {"redis_url": (
+    "the Redis to read: redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/service"
+    "[/db] or rediss+sentinel://; none: the embedded Redis of a worker running in this "
+    "directory (<data_dir>/redis.url). stats never starts one")}
+__all__ = ["build_parser", "main", "positive", "setting_overrides"]
 
 
-def _is_structured(annotation: Any) -> bool:
-    """list/dict settings take JSON on the command line, as in the environment."""
-    types = (annotation, *typing.get_args(annotation))  # dict[...] itself, or inside X | None
-    return any(typing.get_origin(t) in (list, dict) for t in types)
-
-
-def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="TOML settings file")
-    for name, field in Settings.model_fields.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
-                            metavar="JSON" if _is_structured(field.annotation) else "VALUE",
-                            help=field.description)
-
-
-def setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    for name, field in Settings.model_fields.items():
-        value = getattr(args, name, None)
-        if value is not None and _is_structured(field.annotation):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise SettingsError(f"invalid setting '{name}': --{name.replace('_', '-')} "
-                                    f"takes JSON ({exc.msg}); got {value!r}") from None
-        overrides[name] = value
-    return overrides
-
-
-def positive(kind: type[int] | type[float], zero: bool = False) -> Callable[[str], int | float]:
-    """An argparse type: a number above 0 (or at least 0, with `zero`), or one line saying
-    what is wrong."""
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (value > 0 or (zero and value == 0)) or value == float("inf"):  # NaN fails too
-            raise argparse.ArgumentTypeError(
-                f"must be {'0 or more' if zero else 'above 0'}, got {text}")
-        return value
-    return parse
-
-
-def entry_id(text: str) -> str:
-    """An argparse type: a stream entry id, <ms>-<seq>."""
-    if not ENTRY_ID.fullmatch(text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a stream entry id (<ms>-<seq>, e.g. 1733140000000-0)")
-    return text
-
-
-def add_command(commands: Any, name: str, help: str) -> argparse.ArgumentParser:
-    """A subcommand that takes every setting as a flag."""
-    parser: argparse.ArgumentParser = commands.add_parser(name, usage=USAGE, help=help)
-    add_setting_flags(parser)
+def add_command(commands: Any, name: str, help: str,
+                own: Callable[[argparse.ArgumentParser], None] | None = None,
+                helps: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """A subcommand: its own flags first (`own`), then the settings it reads, by group."""
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, usage=USAGE, help=help, description=help, formatter_class=HelpFormatter,
+        epilog=None if COMMAND_SETTINGS[name] is None else OTHER_SETTINGS)
+    parser.add_argument("--config", type=Path, help="TOML settings file (flags override it, "
+                        "and REDBATCH_* variables; it overrides the defaults)")
+    if own is not None:
+        own(parser)
+    add_setting_flags(parser, COMMAND_SETTINGS[name], helps)
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m worker",
-                                     description="redbatch worker: batch inference from Redis")
-    commands = parser.add_subparsers(dest="command")
-    add_command(commands, "run", "serve requests (the default)")
-    demo = add_command(commands, "demo", "embedded Redis + a worker + sample sentences")
+def demo_flags(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--sentences", type=Path, default=None, help="one text per line (a "
                       "generative --model: one question per line, instead of its own)")
     demo.add_argument("--count", type=positive(int), default=300,
                       help="how many texts to embed (or questions to answer)")
     demo.add_argument("--max-new-tokens", type=positive(int), default=48,
                       help="a generative --model (smollm2): the length of each answer")
-    dead = add_command(commands, "dead-letters", "list dead letters, or requeue them")
+
+
+def dead_letter_flags(dead: argparse.ArgumentParser) -> None:
     dead.add_argument("--limit", type=positive(int), default=100,
                       help="how many to list (oldest first)")
     dead.add_argument("--requeue", nargs="+", metavar="DEAD_LETTER_ID", default=[],
-                      type=entry_id,
-                      help="put these back on the request stream")
+                      type=entry_id, help="put these back on the request stream")
     dead.add_argument("--requeue-all", action="store_true", help="requeue every one listed")
-    calibrate = add_command(commands, "calibrate", "time each bucket at growing batch sizes "
-                                    "and write the best sizes for `run` to load")
+
+
+def calibrate_flags(calibrate: argparse.ArgumentParser) -> None:
     calibrate.add_argument("--repeats", type=positive(int), default=3,
                            help="timed runs per batch size")
-    add_stats_parser(commands)
-    return parser
 
 
-def add_stats_parser(commands: Any) -> None:
-    stats = add_command(commands, "stats", "queue, consumers and throughput per model")
+def stats_flags(stats: argparse.ArgumentParser) -> None:
     stats.add_argument("--models", nargs="+", default=None, help="only these (default: all)")
     stats.add_argument("--watch", type=positive(float), nargs="?", const=2.0, default=None,
-                       metavar="SECONDS", help="refresh every SECONDS (default 2)")
+                       metavar="SECONDS", help="refresh every SECONDS (default: once; "
+                       "SECONDS: 2)")
     stats.add_argument("--json", action="store_true", help="JSON (one line per reading)")
     stats.add_argument("--interval", type=positive(float, zero=True), default=1.0,
                        help="seconds between the two readings that give the throughput")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker", formatter_class=HelpFormatter,
+        description="redbatch worker: batch inference from Redis",
+        epilog="`python -m worker COMMAND --help` lists that command's flags, then the worker "
+               "settings it reads, by group.\nWith no command, `run`: `python -m worker "
+               "--model echo` = `python -m worker run --model echo`.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_command(commands, "run", "serve requests (the default)")
+    add_command(commands, "demo", "embedded Redis + a worker + sample sentences", demo_flags)
+    add_command(commands, "dead-letters", "list dead letters, or requeue them",
+                dead_letter_flags)
+    add_command(commands, "calibrate", "time each bucket at growing batch sizes and write "
+                "the best sizes for `run` to load", calibrate_flags)
+    add_command(commands, "stats", "queue, consumers and throughput per model", stats_flags,
+                STATS_HELPS)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_command(args, settings)
     except (SettingsError, StartupError) as exc:
-        return refuse(exc)
+        return refuse(exc, settings)
 
 
 def run_command(args: argparse.Namespace, settings: Settings) -> int:
@@ -173,7 +167,11 @@ def run_demo_command(args: argparse.Namespace, settings: Settings) -> int:
     return run_demo(settings, args.sentences, args.count)
 
 
-def refuse(exc: Exception) -> int:
-    """One line for the user, no traceback, exit status 2."""
-    print(f"redbatch: {exc}", file=sys.stderr)
+def refuse(exc: Exception, settings: Settings | None = None) -> int:
+    """One line for the user, no traceback, exit status 2; each setting it names followed
+    by where it came from (a SettingsError's message says so itself)."""
+    message = str(exc)
+    if settings is not None and not isinstance(exc, SettingsError):
+        message = settings.sources.annotate(message, getattr(exc, "settings", ()))
+    print(f"redbatch: {message}", file=sys.stderr)
     return 2

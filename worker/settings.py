@@ -9,17 +9,24 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
+from pydantic import (
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
 )
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from producer.protocol import DEFAULT_GROUP, DEFAULT_NAMESPACE
 from worker.policy.device_defaults import UNSET_STAYS_UNSET
+from worker.setting_sources import (
+    SettingSources,
+    WholeEnv,
+    WholeToml,
+    describe_validation_error,
+)
 
 
 def default_consumer_name() -> str:
@@ -34,7 +41,8 @@ class Settings(BaseSettings):
 
     redis_url: str | None = Field(None, description=(
         "Redis to serve: redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/service"
-        "[/db] or rediss+sentinel://; none starts an embedded one"))
+        "[/db] or rediss+sentinel://; none: the embedded Redis of a worker running in this "
+        "directory (<data_dir>/redis.url), else a new embedded one"))
     redis_cluster: bool = Field(False, description="redis_url is a seed node of a Redis Cluster")
     redis_password: SecretStr | None = Field(None, min_length=1, description=(
         "Redis AUTH password, in place of one in redis_url: any characters, no URL "
@@ -46,13 +54,17 @@ class Settings(BaseSettings):
         "WAIT for this many replicas after each reply + ack; -1: 1 while the master has a "
         "connected replica, else 0; 0 disables"))
     replicas_wait_ms: int = Field(100, gt=0, description="WAIT timeout after each write")
-    namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
-    group: str = Field(DEFAULT_GROUP, min_length=1)
-    consumer: str = Field(default_factory=default_consumer_name, min_length=1)
+    namespace: str = Field(DEFAULT_NAMESPACE, min_length=1, description="every key's prefix")
+    group: str = Field(DEFAULT_GROUP, min_length=1,
+                       description="the consumer group a model's workers share")
+    consumer: str = Field(default_factory=default_consumer_name, min_length=1,
+                          description="this worker's name in the group, one per process")
 
     model: str = Field("minilm", description="built-in name or 'package.module:ClassName'")
-    model_name: str = Field("", description="name in the stream key; default derived from model")
-    model_options: dict[str, Any] = Field(default_factory=dict)
+    model_name: str = Field("", description="the name in the stream key; none: the model's "
+                            "(minilm; pkg.mod:MyModel: mymodel)")
+    model_options: dict[str, Any] = Field(default_factory=dict,
+                                          description="the model's own options (JSON object)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description=(
         "the dtype the model computes in; auto: bfloat16 on CUDA >= 8.0, float16 on older "
@@ -69,8 +81,10 @@ class Settings(BaseSettings):
     cpu_cores: int = Field(0, ge=0, description="cores this process may use; 0: read from its "
                            "CPU affinity and cgroup quota (--processes gives each its share)")
 
-    max_batch_size: int = Field(32, gt=0, description="on CUDA 512 unless set")
-    max_batch_tokens: int = Field(8192, gt=0, description="n x longest; on CUDA 65536 unless set")
+    max_batch_size: int = Field(32, gt=0, description="most requests in one batch; on CUDA 512 "
+                                "unless set")
+    max_batch_tokens: int = Field(8192, gt=0, description="cap on n x longest per batch; on "
+                                  "CUDA 65536 unless set")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a batch may wait to fill "
                                "(static batching: unused when latency_target_ms is set)")
     latency_target_ms: float | None = Field(None, gt=0, description=(
@@ -117,7 +131,7 @@ class Settings(BaseSettings):
     calibration_dir: Path = Field(Path("configs/calibration"),
                                   description="where `calibrate` writes and `run` reads")
 
-    result_ttl_ms: int = Field(3_600_000, gt=0)
+    result_ttl_ms: int = Field(3_600_000, gt=0, description="how long a reply is kept")
 
     claim_idle_ms: int = Field(30_000, gt=0, description="claim others' entries idle this long")
     max_deliveries: int = Field(5, gt=0, description="deliveries before an entry is dead-lettered")
@@ -127,17 +141,22 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(30.0, ge=0, description="time to answer what is held on stop")
     processes: int = Field(1, gt=0, description="worker processes to run and supervise")
     devices: str = Field("", description="comma-separated, e.g. cuda:0,cuda:1: a process each")
-    max_payload_bytes: int = Field(1 << 20, gt=0)
+    max_payload_bytes: int = Field(1 << 20, gt=0, description="larger requests are refused")
     reply_prefixes: list[str] = Field(default_factory=list, description=(
         "key prefixes a request's reply_to may name besides <namespace>:reply: (list "
         "replies) and <namespace>:stream: (streamed ones); none by default"))
 
     metrics_port: int = Field(9100, ge=0, le=65535, description="0 disables /metrics")
-    metrics_host: str = "0.0.0.0"
-    log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
-    log_format: str = Field("auto", pattern="^(auto|json|console)$")
+    metrics_host: str = Field("0.0.0.0", description="where /metrics and /healthz listen")
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$",
+                           description="debug, info, warning or error")
+    log_format: str = Field("auto", pattern="^(auto|json|console)$", description=(
+        "json, console, or auto: console on a terminal, else json"))
     log_interval_s: float = Field(60.0, ge=0, description="a progress line this often; 0: none")
     data_dir: Path = Field(Path(".redbatch"), description="embedded Redis data")
+    cache_dir: Path | None = Field(None, description=(
+        "where a model keeps what it derives from its weights between starts (a GGUF "
+        "file's dequantised tensors); none: $XDG_CACHE_HOME/redbatch or ~/.cache/redbatch"))
 
     @field_validator("instances", mode="before")
     @classmethod
@@ -200,6 +219,16 @@ class Settings(BaseSettings):
             raise ValueError("redis_password needs redis_url: the embedded Redis has none")
         return self
 
+    _sources: SettingSources | None = PrivateAttr(None)
+
+    def where(self, name: str) -> str:
+        """Where setting `name` came from, for a message: "--max-batch-size (flag)"."""
+        return self._sources.where(name) if self._sources else name
+
+    @property
+    def sources(self) -> SettingSources:
+        return self._sources or SettingSources(list(type(self).model_fields))
+
     @property
     def redis_secret(self) -> str | None:
         """redis_password revealed, for the client (producer/connection.py)."""
@@ -223,28 +252,6 @@ class Settings(BaseSettings):
         return (init_settings, WholeEnv(settings_cls), WholeToml(settings_cls))
 
 
-# pydantic-settings merges dictionaries key by key across its sources, so a flag
-# `--model-options '{}'` would not clear a TOML file's options (those of another model would
-# then be refused). These sources leave out what a higher layer set: each setting comes
-# whole from the highest layer that sets it.
-
-def _not_set_above(source: PydanticBaseSettingsSource, values: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if k not in source.current_state}
-
-
-class WholeEnv(EnvSettingsSource):
-    def __call__(self) -> dict[str, Any]:
-        return _not_set_above(self, super().__call__())
-
-
-class WholeToml(TomlConfigSettingsSource):
-    def __call__(self) -> dict[str, Any]:
-        return _not_set_above(self, super().__call__())
-
-
-SECRET_SETTINGS = ("redis_url", "redis_password")  # a URL may hold a password too
-
-
 def exported(settings: Settings) -> dict[str, str]:
     """Each set setting as text a flag or REDBATCH_* variable takes, secrets revealed: what
     a child process is handed (secrets by environment only: a command line is public). An
@@ -263,38 +270,27 @@ class SettingsError(Exception):
 
 
 def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
-    """Build settings from the layers; `overrides` are the command-line flags."""
+    """Build settings from the layers; `overrides` are the command-line flags. The settings
+    remember where each came from (Settings.where)."""
     if config is not None and not config.is_file():
         raise SettingsError(f"config file not found: {config}")
+    file_keys: list[str] = []
     if config is not None:
         try:
-            tomllib.loads(config.read_text())
+            file_keys = list(tomllib.loads(config.read_text()))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise SettingsError(f"config file {config} is not valid TOML: {exc}") from None
 
     class FromFile(Settings):
         model_config = SettingsConfigDict(toml_file=config)
 
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    sources = SettingSources.find(list(Settings.model_fields), flags, config, file_keys)
     try:
-        return FromFile(**{k: v for k, v in overrides.items() if v is not None})
+        settings = FromFile(**flags)
     except ValidationError as exc:
-        raise SettingsError(describe_validation_error(exc)) from None
+        raise SettingsError(describe_validation_error(exc.errors(), sources)) from None
     except ValueError as exc:  # a malformed TOML file or JSON environment value
         raise SettingsError(f"could not read settings: {exc}") from None
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for error in exc.errors():
-        name = ".".join(str(part) for part in error["loc"])
-        if error["type"] == "extra_forbidden":
-            lines.append(f"unknown setting '{name}' (python -m worker run --help lists them)")
-        elif not error["loc"]:  # a rule across settings: its input is all of them, secrets too
-            lines.append(f"invalid settings: {error['msg']}")
-        elif name in SECRET_SETTINGS:
-            lines.append(f"invalid setting '{name}' (env REDBATCH_{name.upper()}): "
-                         f"{error['msg']}")
-        else:
-            lines.append(f"invalid setting '{name}' (env REDBATCH_{name.upper()}): "
-                         f"{error['msg']}; got {error.get('input')!r}")
-    return "\n".join(lines)
+    settings._sources = sources
+    return settings

@@ -26,11 +26,13 @@ import structlog
 from prometheus_client import CollectorRegistry, multiprocess
 
 from worker.app import StartupError
+from worker.commands.run import port_hint
 from worker.execution.cores import available_cores
 from worker.observe.endpoints import start_server
 from worker.policy.backoff import backoff_delays
 from worker.policy.layout import share_cores
-from worker.settings import SECRET_SETTINGS, Settings, exported
+from worker.setting_sources import SECRET_SETTINGS
+from worker.settings import Settings, exported
 from worker.streams.target import redis_url
 
 log = structlog.get_logger("redbatch.supervisor")
@@ -157,13 +159,15 @@ def supervise(settings: Settings) -> int:
             children = child_settings(settings, url)
             commands = [[sys.executable, "-m", "worker", "run", *settings_flags(child)]
                         for child in children]
-            supervisor = Supervisor(commands, {**env, **secret_environment(children[0])})
+            supervisor = Supervisor(commands, {**env, **secret_environment(children[0]),
+                                               **settings.sources.environment_for_children()})
             try:
                 serve_metrics(metrics_dir, settings.metrics_host, settings.metrics_port,
                               supervisor)
             except OSError as exc:
                 raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: "
-                                   f"{exc}") from None
+                                   f"{exc.strerror or exc}{port_hint(exc)}",
+                                   ("metrics_port",)) from None
 
             def handle(signum: int, frame: FrameType | None) -> None:
                 log.info("supervisor.signal", signal=signal.Signals(signum).name)

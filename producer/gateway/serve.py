@@ -37,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producer serve",
                                      description="OpenAI-compatible HTTP gateway")
     for name, field in GatewaySettings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = "" if default is None or "default" in (field.description or "") else \
+            f" (default: {default})"
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
-                            metavar="VALUE", help=field.description)
+                            metavar="VALUE", help=f"{field.description or ''}{shown}".strip())
     return parser
 
 

@@ -73,10 +73,21 @@ class GatewaySettingsError(Exception):
 
 def load_gateway_settings(**overrides: Any) -> GatewaySettings:
     """Settings from the environment, with `overrides` (the flags) on top; None = unset."""
+    flags = {k: v for k, v in overrides.items() if v is not None}
     try:
-        return GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
+        return GatewaySettings(**flags)
     except ValidationError as exc:
-        lines = [f"invalid setting '{'.'.join(map(str, e['loc']))}': {e['msg']}"
-                 + ("" if "redis" in str(e["loc"]) else f"; got {e.get('input')!r}")
+        lines = [f"invalid setting '{'.'.join(map(str, e['loc']))}'{source(e['loc'], flags)}: "
+                 f"{e['msg']}" + ("" if "redis" in str(e["loc"]) else f"; got {e.get('input')!r}")
                  for e in exc.errors()]  # no secret printed
         raise GatewaySettingsError("\n".join(lines)) from None
+
+
+def source(loc: tuple[Any, ...], flags: dict[str, Any]) -> str:
+    """" from --port (flag)" or " from REDBATCH_PORT (environment)": where to change it."""
+    if len(loc) != 1:
+        return ""
+    name = str(loc[0])
+    if name in flags:
+        return f" from --{name.replace('_', '-')} (flag)"
+    return f" from REDBATCH_{name.upper()} (environment)"

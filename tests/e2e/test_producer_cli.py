@@ -95,3 +95,38 @@ def test_unreachable_redis_is_one_clear_line() -> None:
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"producer: Redis error at {url}: ")
+
+
+def test_help_lists_serve_and_each_default() -> None:
+    """Issue 33: `producer --help` names the gateway command and every flag's default, and
+    never prints a password from the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    done = subprocess.run([sys.executable, "-m", "producer", "--help"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60,
+                          env={**env, "PYTHONPATH": str(ROOT), "COLUMNS": "100",
+                               "REDBATCH_REDIS_URL": "redis://:hunter2@127.0.0.1:6390/0"})
+    assert done.returncode == 0, done.stderr
+    usage = done.stdout.split("\n\n", 1)[0]
+    assert "python -m producer serve" in usage and "\n  serve " in done.stdout
+    flat = " ".join(done.stdout.split())
+    for default in ("(default: 1000)", "(default: 300.0)", "(default: -1)", "now minilm",
+                    "(default: redbatch)"):
+        assert default in flat, default
+    assert "hunter2" not in done.stdout and "now redis://:***@127.0.0.1:6390/0" in flat
+
+
+def test_a_bad_gateway_setting_names_where_it_came_from(monkeypatch: Any) -> None:
+    from producer.gateway.settings import GatewaySettingsError, load_gateway_settings
+
+    for name in ("REDBATCH_PORT", "REDBATCH_MAX_INPUTS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("REDBATCH_MAX_INPUTS", "many")
+    try:
+        load_gateway_settings(port="abc")
+    except GatewaySettingsError as exc:
+        lines = str(exc).splitlines()
+    else:
+        raise AssertionError("the settings were accepted")
+    assert any(line.startswith("invalid setting 'port' from --port (flag): ") for line in lines)
+    assert any(line.startswith("invalid setting 'max_inputs' from REDBATCH_MAX_INPUTS "
+                               "(environment): ") for line in lines), lines

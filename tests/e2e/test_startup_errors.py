@@ -28,8 +28,9 @@ class Case:
 
 CASES = {
     "invalid flag value": Case(["--max-batch-size", "0"],
-                               "invalid setting 'max_batch_size' (env REDBATCH_MAX_BATCH_SIZE)"),
-    "invalid environment value": Case([], "invalid setting 'max_wait_ms'",
+                               "invalid setting 'max_batch_size' from --max-batch-size (flag)"),
+    "invalid environment value": Case([], "invalid setting 'max_wait_ms' from "
+                                      "REDBATCH_MAX_WAIT_MS (environment)",
                                       {"REDBATCH_MAX_WAIT_MS": "soon"}),
     "invalid instances": Case(["--instances", "many"], "invalid setting 'instances'"),
     "latency target not positive": Case(["--latency-target-ms", "0"],
@@ -46,11 +47,14 @@ CASES = {
                                "broken.toml is not valid TOML"),
     "rule across settings, with a password in the URL": Case(
         ["--redis-url", "redis://:hunter2@127.0.0.1:{port}/0", "--batch-controller", "aimd"],
-        "invalid settings: Value error, batch_controller 'aimd' needs controller_target_ms"),
+        "invalid settings: batch_controller 'aimd' needs controller_target_ms "
+        "[--batch-controller (flag); controller_target_ms (default)]"),
     "calibration directory that cannot take a file": Case(
         ["calibrate", "--calibration-dir", "{tmp}/broken.toml/calibration"],
         "calibration_dir '{tmp}/broken.toml/calibration' cannot take the calibration file"),
-    "unknown model": Case(["--model", "nope"], "unknown model 'nope'"),
+    "unknown model": Case(["--model", "nope"], "unknown model 'nope'"),  # and from where:
+    "unknown model from the environment": Case([], "[REDBATCH_MODEL (environment)]",
+                                               {"REDBATCH_MODEL": "nope"}),
     "model that cannot load": Case(["--model", "tests.rigs.plugin_models:UnloadableModel"],
                                    "cannot load model 'tests.rigs.plugin_models:UnloadableModel': "
                                    "FileNotFoundError: weights.bin not found"),

@@ -32,6 +32,7 @@ def settings_env(settings: Settings, url: str, consumer: str) -> dict[str, str]:
     """The demo's settings handed to the worker process as REDBATCH_* variables."""
     env = dict(os.environ)  # unset optional settings keep their defaults
     env.update({f"REDBATCH_{name.upper()}": text for name, text in exported(settings).items()})
+    env.update(settings.sources.environment_for_children())  # its messages name the user's
     env["REDBATCH_REDIS_URL"] = url
     env["REDBATCH_CONSUMER"] = consumer
     return env

@@ -57,14 +57,18 @@ def install_signal_handlers(worker: Worker) -> None:
     signal.signal(signal.SIGINT, handle)
 
 
+def port_hint(exc: OSError) -> str:
+    """What to do when the metrics port is taken (the CLI adds where the port was set)."""
+    return (" (another worker on this host?): give each its own --metrics-port, or "
+            "--metrics-port 0 to disable /metrics") if exc.errno == errno.EADDRINUSE else ""
+
+
 def serve_metrics(settings: Settings, readiness: Readiness) -> None:
     try:
         metrics.serve(settings.metrics_host, settings.metrics_port, readiness)
     except OSError as exc:
-        hint = (" (another worker on this host?): give each its own --metrics-port, or "
-                "--metrics-port 0 to disable /metrics") if exc.errno == errno.EADDRINUSE else ""
         raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: "
-                           f"{exc.strerror or exc}{hint}") from None
+                           f"{exc.strerror or exc}{port_hint(exc)}", ("metrics_port",)) from None
 
 
 def freeze_heap() -> None:

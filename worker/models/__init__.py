@@ -5,16 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from worker.model_registry import BUILTIN  # one registry, torch-free for --help
 from worker.models.base import InvalidInput, Model, Prepared
-
-BUILTIN = {
-    "minilm": "worker.models.minilm:MiniLMModel",
-    "encoder": "worker.models.encoder:EncoderModel",
-    "reranker": "worker.models.reranker:RerankerModel",
-    "echo": "worker.models.echo:EchoModel",
-    "causal_lm": "worker.models.generative:CausalLM",
-    "smollm2": "worker.models.smollm2:SmolLM2",
-}
 
 
 class ModelLoadError(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,6 +69,9 @@ class Model(ABC):
     #: the dtype to compute in (the `dtype` setting, resolved for the device), set by the
     #: worker before load(); a model that has only one may ignore it
     dtype: torch.dtype = torch.float32
+    #: where the model may keep what it derives from its weights between starts (a GGUF
+    #: file's dequantised tensors), set by the worker before load(); None: keep nothing
+    cache_dir: Path | None = None
 
     @abstractmethod
     def load(self, device: torch.device) -> None:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from worker.execution.generation import GenerationEngine, kv_bytes_per_token
 from worker.execution.kv_pool import BLOCK_TOKENS
+from worker.models import weights_cache
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.generation_params import (
     GenerationInput,
@@ -29,6 +31,7 @@ from worker.models.generation_params import (
 )
 from worker.policy.decoding import SchedulerLimits
 
+GGUF_DTYPE = torch.float32  # "float32" in the cache key: what a GGUF is dequantised to
 PREFIX_CHARS_PER_TOKEN = 8  # twice English's 4: a prefix this long shows most overflows
 
 
@@ -59,11 +62,8 @@ class CausalLM(Model):
             prefill_first=prefill_first, prefill_streak=prefill_streak)
 
     def load(self, device: torch.device) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        extra = {"gguf_file": self.gguf_file} if self.gguf_file else {}
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, **extra)
-        lm: Any = AutoModelForCausalLM.from_pretrained(self.path, **extra)
+        tokenizer, lm = self._pretrained()
+        self.tokenizer = tokenizer
         self.lm = lm.to(device).eval()
         self.dtype = self.lm.dtype  # the weights' own (the `dtype` setting is for encoders)
         self.device = device
@@ -73,6 +73,23 @@ class CausalLM(Model):
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {int(e) for e in [*eos_ids, self.tokenizer.eos_token_id]
                         if e is not None}
+
+    def _pretrained(self) -> tuple[Any, Any]:
+        """(tokenizer, model); a GGUF file's conversion comes from the cache when the worker
+        gives one (models/weights_cache.py): dequantising it is most of a start."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        def from_path(path: Path, gguf: dict[str, Any]) -> tuple[Any, Any]:
+            weights = {"dtype": GGUF_DTYPE} if self.gguf_file else {}
+            return (AutoTokenizer.from_pretrained(path, **gguf),
+                    AutoModelForCausalLM.from_pretrained(path, **gguf, **weights))
+
+        gguf = {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        if not self.gguf_file or self.cache_dir is None:
+            return from_path(Path(self.path), gguf)
+        return weights_cache.load_or_convert(
+            self.cache_dir, Path(self.path) / self.gguf_file, "float32",
+            lambda: from_path(Path(self.path), gguf), lambda entry: from_path(entry, {}))
 
     def engine(self) -> GenerationEngine:
         """The engine, its KV pool sized to the scheduler's budget (and one more block per

@@ -9,6 +9,8 @@ import pytest
 from tests.rigs.paths import REPO_ROOT
 from worker.cli import build_parser, setting_overrides
 from worker.models import create_model
+from worker.setting_groups import GROUP_NAMES, GROUPS
+from worker.setting_sources import INHERITED
 from worker.settings import Settings, SettingsError, exported, load_settings
 
 CONFIGS = REPO_ROOT / "configs"
@@ -17,7 +19,7 @@ CONFIGS = REPO_ROOT / "configs"
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """The developer's own REDBATCH_* variables must not leak into these tests."""
-    for name in list(Settings.model_fields):
+    for name in [*Settings.model_fields, "setting_sources"]:
         monkeypatch.delenv(f"REDBATCH_{name.upper()}", raising=False)
 
 
@@ -85,7 +87,7 @@ def test_plugin_models_are_named_by_their_class() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"max_batch_size": "0"}, "invalid setting 'max_batch_size' (env REDBATCH_MAX_BATCH_SIZE)"),
+    ({"max_batch_size": "0"}, "invalid setting 'max_batch_size' from --max-batch-size (flag)"),
     ({"max_wait_ms": "soon"}, "invalid setting 'max_wait_ms'"),
     ({"bucket_boundaries": [32, 16]}, "strictly increasing"),
     ({"metrics_port": "70000"}, "invalid setting 'metrics_port'"),
@@ -191,3 +193,94 @@ def test_a_password_setting_needs_a_url_and_is_never_printed(
     with pytest.raises(SettingsError) as raised:
         load_settings(redis_url="redis://127.0.0.1:6379/0")
     assert "redis_password" in str(raised.value) and "got" not in str(raised.value)
+
+
+def test_every_setting_has_exactly_one_group() -> None:
+    """--help groups the settings (setting_groups.py): a new setting must be given one."""
+    grouped = [name for _, _, names in GROUPS for name in names]
+    assert sorted(grouped) == sorted(Settings.model_fields), "each setting once, none unknown"
+    assert set(GROUP_NAMES) == {"connection", "batching", "model", "memory", "latency",
+                                "cluster", "observability"}
+
+
+def test_settings_remember_the_layer_each_came_from(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    config = write_config(tmp_path, "max_batch_size = 2\nmax_wait_ms = 3.0\nblock_ms = 50\n")
+    monkeypatch.setenv("REDBATCH_MAX_WAIT_MS", "4")
+    monkeypatch.setenv("redbatch_read_count", "8")  # matched whatever the case, as pydantic does
+    settings = load_settings(config, **flags("--block-ms", "70"))
+    assert settings.where("block_ms") == "--block-ms (flag)"
+    assert settings.where("max_wait_ms") == "REDBATCH_MAX_WAIT_MS (environment)"
+    assert settings.where("read_count") == "REDBATCH_READ_COUNT (environment)"
+    assert settings.where("max_batch_size") == f"max_batch_size in {config} (file)"
+    assert settings.where("max_inflight") == "max_inflight (default)"
+
+
+@pytest.mark.parametrize("layer, where", [
+    ("flag", "--max-batch-size (flag)"),
+    ("environment", "REDBATCH_MAX_BATCH_SIZE (environment)"),
+    ("file", "max_batch_size in {config} (file)"),
+])
+def test_an_invalid_setting_names_the_layer_it_came_from(
+        layer: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = write_config(tmp_path, "max_batch_size = 0\n" if layer == "file" else "")
+    if layer == "environment":
+        monkeypatch.setenv("REDBATCH_MAX_BATCH_SIZE", "0")
+    overrides = flags("--max-batch-size", "0") if layer == "flag" else {}
+    with pytest.raises(SettingsError) as raised:
+        load_settings(config, **overrides)
+    assert f"invalid setting 'max_batch_size' from {where.format(config=config)}: " \
+        in str(raised.value)
+
+
+def test_a_rule_across_settings_names_where_each_came_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDBATCH_MEMORY_LOW_WATERMARK", "0.95")
+    config = write_config(tmp_path, "memory_high_watermark = 0.9\n")
+    with pytest.raises(SettingsError) as raised:
+        load_settings(config)
+    assert str(raised.value) == (
+        "invalid settings: memory_low_watermark must be below memory_high_watermark "
+        "[REDBATCH_MEMORY_LOW_WATERMARK (environment); "
+        f"memory_high_watermark in {config} (file)]")
+    monkeypatch.delenv("REDBATCH_MEMORY_LOW_WATERMARK")
+    with pytest.raises(SettingsError) as raised:
+        load_settings(**flags("--reply-prefixes", '["redbatch:"]'))
+    assert str(raised.value).endswith("[--reply-prefixes (flag)]")
+
+
+def test_an_unknown_key_names_its_file(tmp_path: Path) -> None:
+    config = write_config(tmp_path, "max_batch_sise = 4\n")
+    with pytest.raises(SettingsError, match=f"unknown setting 'max_batch_sise' in {config} "):
+        load_settings(config)
+
+
+def test_a_message_names_the_source_of_each_setting_it_names(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up errors (the CLI's refuse): flags and snake_case names are found in the
+    message, one-word settings are named by the raiser."""
+    monkeypatch.setenv("REDBATCH_DTYPE", "bfloat16")
+    sources = load_settings(**flags("--metrics-port", "9100")).sources
+    assert sources.annotate("give each its own --metrics-port") == \
+        "give each its own --metrics-port [--metrics-port (flag)]"
+    assert sources.annotate("dtype bfloat16 needs a CUDA device", ["dtype"]) == \
+        "dtype bfloat16 needs a CUDA device [REDBATCH_DTYPE (environment)]"
+    assert sources.annotate("raise memory_limit_bytes") == \
+        "raise memory_limit_bytes [memory_limit_bytes (default)]"
+    assert sources.annotate("nothing here: a model, a group") == "nothing here: a model, a group"
+
+
+def test_a_child_process_names_the_sources_its_parent_saw(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor hands its children their settings as flags; their messages still name
+    what the user set."""
+    monkeypatch.setenv("REDBATCH_METRICS_PORT", "9101")
+    parent = load_settings(**flags("--max-batch-size", "4"))
+    handed = parent.sources.environment_for_children()
+    monkeypatch.delenv("REDBATCH_METRICS_PORT")
+    monkeypatch.setenv(INHERITED, handed[INHERITED])
+    child = load_settings(**flags("--max-batch-size", "4", "--metrics-port", "9101",
+                                  "--consumer", "w-0"))
+    assert child.where("metrics_port") == "REDBATCH_METRICS_PORT (environment)"
+    assert child.where("max_batch_size") == "--max-batch-size (flag)"
+    assert child.where("consumer") == "--consumer (flag)"  # the parent left it at its default
