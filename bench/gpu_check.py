@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.common.paths import SENTENCES
-from bench.throughput.gpu_compare import compare
+from bench.throughput.gpu_compare import compare, serve_and_time
 from worker.execution.executor import Executor, Launched, device_precision, to_device
 from worker.execution.guarded_runner import BatchRunner, TooLarge
 from worker.execution.memory import CudaMemory
@@ -152,7 +151,6 @@ def offline_throughput(model: Model, device: torch.device, texts: Sequence[str],
 def worker_throughput(model: Model, device: torch.device, texts: Sequence[str],
                       batch_size: int, instances: int = 1) -> float:
     """Through Redis and the worker, as a producer sees it: submit all, wait for all."""
-    from producer import Client
     from worker.app import assemble_worker, connect
     from worker.settings import load_settings
     from worker.streams.server import RedisServer
@@ -163,17 +161,7 @@ def worker_throughput(model: Model, device: torch.device, texts: Sequence[str],
                                  instances=instances)
         worker = assemble_worker(settings, model, Executor(model, device),
                                  connect(server.url, 1000))
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        client = Client(server.url, "minilm")
-        client.infer({"text": "warm"}, timeout=60)
-        reply_to = client.new_reply_key()
-        started = time.perf_counter()
-        client.submit_many(({"text": text} for text in texts), reply_to=reply_to)
-        envelopes = client.collect(reply_to, len(texts), timeout=120)
-        seconds = time.perf_counter() - started
-        worker.stop()
-        thread.join(timeout=30)
+        seconds, envelopes = serve_and_time(worker, server.url, "minilm", texts)
     assert len(envelopes) == len(texts) and all(e["ok"] for e in envelopes), "replies missing"
     return len(texts) / seconds
 

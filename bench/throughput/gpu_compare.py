@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,9 +58,28 @@ def graphs_report(executors: Sequence[Executor]) -> str:
             f"replayed, {graphed.eager} eager")
 
 
+def serve_and_time(worker: Any, url: str, model_name: str,
+                   texts: list[str]) -> tuple[float, list[dict[str, Any]]]:
+    """Run the worker in a thread, send every text at once through Redis after one warm
+    request, and time until the last reply; (seconds, envelopes)."""
+    from producer import Client
+
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    client = Client(url, model_name)
+    client.infer({"text": "warm"}, timeout=60)
+    reply_to = client.new_reply_key()
+    started = time.perf_counter()
+    client.submit_many(({"text": text} for text in texts), reply_to=reply_to)
+    envelopes = client.collect(reply_to, len(texts), timeout=120)
+    seconds = time.perf_counter() - started
+    worker.stop()
+    thread.join(timeout=30)
+    return seconds, envelopes
+
+
 def redbatch_default(device: torch.device, texts: Sequence[str]) -> Served:
     """The worker at default settings, through an embedded Redis: submit all, await all."""
-    from producer import Client
     from worker.app import build_worker, connect
     from worker.observe.log import configure_logging
     from worker.settings import load_settings
@@ -70,17 +90,7 @@ def redbatch_default(device: torch.device, texts: Sequence[str]) -> Served:
         settings = load_settings(None, redis_url=server.url, metrics_port=0,
                                  device=str(device))
         worker = build_worker(settings, connect(server.url, 1000))
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        client = Client(server.url, settings.model_name)
-        client.infer({"text": "warm"}, timeout=60)
-        reply_to = client.new_reply_key()
-        started = time.perf_counter()
-        client.submit_many(({"text": text} for text in texts), reply_to=reply_to)
-        envelopes = client.collect(reply_to, len(texts), timeout=120)
-        seconds = time.perf_counter() - started
-        worker.stop()
-        thread.join(timeout=30)
+        seconds, envelopes = serve_and_time(worker, server.url, settings.model_name, texts)
     if len(envelopes) != len(texts) or not all(e["ok"] for e in envelopes):
         raise RuntimeError(f"{len(envelopes)} of {len(texts)} replies, or some not ok")
     executors = [runner.executor for runner in worker.runners]
