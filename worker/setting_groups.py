@@ -14,7 +14,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "max_deliveries", "consumer_idle_ms", "processes", "devices")),
     ("model", "what is served, where and how", (
         "model", "model_name", "model_options", "device", "dtype", "torch_threads",
-        "instances", "cpu_cores", "warmup", "cache_dir")),
+        "instances", "cpu_cores", "warmup", "cuda_graphs", "cache_dir")),
     ("batching", "how requests are grouped into batches", (
         "max_batch_size", "max_batch_tokens", "max_wait_ms", "bucket_boundaries",
         "merge_tokens", "max_inflight", "read_count", "calibration_dir")),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.rigs.paths import REPO_ROOT
 from worker.cli import COMMAND_SETTINGS, COMMANDS, build_parser
 from worker.model_registry import BUILTIN
 from worker.setting_groups import GROUP_NAMES
@@ -44,7 +45,7 @@ def test_good_command_arguments_parse() -> None:
 
 # --- `--help` a newcomer can read, and messages that say where a setting came from (issue 33)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 OWN_FLAGS = {"run": [], "demo": ["--sentences", "--count", "--max-new-tokens"],
              "dead-letters": ["--limit", "--requeue", "--requeue-all"],
              "calibrate": ["--repeats"], "stats": ["--models", "--watch", "--json", "--interval"]}
@@ -107,7 +108,8 @@ def test_every_flag_shows_its_default(helps: dict[str, str], command: str) -> No
                and not e.startswith(("-h", "--config"))]
     assert not missing, f"no default shown for {missing}"
     flat = " ".join(text.split())
-    assert "--max-batch-size VALUE most requests in one batch (default: 32)" in flat
+    assert ("--max-batch-size VALUE most requests in one batch; on CUDA 512 unless set "
+            "(default: 32)") in flat
     assert "(default: <hostname>-<pid>)" in " ".join(helps["run"].split())
 
 
