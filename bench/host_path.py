@@ -146,7 +146,7 @@ def report(found: dict[str, list[float]], costs: dict[str, dict[str, float]],
         return
     names = list(costs)
     say("\nCPU µs per request " + "".join(f"{n:>10}" for n in names))
-    for stage in (*STAGES, "sum", "process"):
+    for stage in (*STAGES, "sum", "native", "process"):
         say(f"{stage:<18} " + "".join(f"{costs[n].get(stage, 0.0):10.1f}" for n in names))
 
 

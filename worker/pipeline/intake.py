@@ -1,11 +1,13 @@
 """The intake thread: read or claim entries, divert poison, parse, prepare, queue.
 
-It runs in the `redbatch-reader` thread. It never runs the model's forward pass: good
-entries become Pending requests in the batcher, bad ones (and those refused at read time,
-predicted to miss their deadline or the target) are answered at once, written by this
-thread in one reply-and-ack call per read (reply.ReadTimeAnswers), not queued behind the
-results. Its Redis calls are the reads and claims, the dead-letter diversion, that write,
-and the XACK of entries that cannot be answered at all.
+It runs in the `redbatch-reader` thread; each read's decoding, preparing (tokenising) and
+queueing run on the prepare stage's thread (prepare_stage.py), overlapping the next read.
+It never runs the model's forward pass: good entries become Pending requests in the
+batcher, bad ones (and those refused at read time, predicted to miss their deadline or the
+target) are answered at once, written in one reply-and-ack call per read
+(reply.ReadTimeAnswers), not queued behind the results. Its Redis calls are the reads and
+claims, the id claims, the dead-letter diversion, that write, and the XACK of entries that
+cannot be answered at all.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The worker: threads joined by the bucketed batcher and the answer queue.
 
-    intake thread     XREADGROUP -> divert -> parse -> model.prepare -> Batcher    (intake.py)
+    intake thread     XREADGROUP -> divert -> parse, claim ids -> prepare stage   (intake.py)
+    prepare thread    decode -> model.prepare_many -> Batcher          (prepare_stage.py)
     compute thread(s) Batcher.next_batch -> BatchRunner (the model)   -> answers   (compute.py)
     reply thread      encode -> Lua reply+ack -> free in-flight slots              (reply.py)
     maintenance       trim, backlog, idle consumers          (streams/maintenance.py)
