@@ -6,8 +6,9 @@ One run, one embedded Redis, one in-process worker at a time, the same payloads
   echo      the echo model: read, decode, batch, reply; no tokeniser, no tensors
   instant   MiniLM with an instant forward (a zero tensor of the right shape): its tokeniser,
             collate, post-processing and 384-float replies, without the transformer
-  inline    (--inline) the same, tokenising on the reader thread, between its reads, as
-            before the prepare stage (worker/pipeline/prepare_stage.py)
+            and tokenising on the prepare thread, as a worker on an accelerator does
+  inline    (--inline) the same, tokenising on the reader thread between its reads, as a
+            worker on a CPU does (worker/pipeline/prepare_stage.py)
 
 Each round submits every payload (one pipelined XADD per request, one shared reply list)
 and times until the last reply is there; the variants take turns, round by round, and the
@@ -73,8 +74,8 @@ def serving(url: str, name: str, model: Model, instances: int) -> Iterator[None]
                              max_batch_size=64, warmup=False)
     worker = assemble_worker(settings, model, Executor(model, model.device),
                              connect(url, 100))
-    if name == "inline":
-        worker.intake.stage = PrepareStage(threaded=False)
+    # `instant` as on an accelerator (the worker does so off the CPU); `inline` as on a CPU
+    worker.intake.stage = PrepareStage(threaded=name != "inline")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     assert worker.ready.wait(30), "worker did not start"

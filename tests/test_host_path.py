@@ -21,6 +21,7 @@ from producer.embeddings import as_float32_bytes, decode_reply, decode_result
 from tests.conftest import loaded_model
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.minilm import MiniLMModel
+from worker.pipeline import worker as worker_module
 from worker.pipeline.encoding import encode_envelope
 
 TEXTS = ["A cat sat on the mat.", "x", "Redis Streams feed a worker that batches requests.",
@@ -174,9 +175,10 @@ def test_float32_replies_match_the_float_lists_end_to_end(
     assert np.allclose(arrays[0]["embedding"], plain[0]["embedding"], atol=1e-5)
 
 
+@pytest.mark.parametrize("threaded", [True, False], ids=["prepare-thread", "reader-thread"])
 def test_a_bad_entry_in_a_read_is_refused_alone(
         redis_url: str, worker_factory: Callable[..., Any], minilm: MiniLMModel,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, threaded: bool) -> None:
     """One XREADGROUP of seven entries: a text, a payload that is not msgpack, a payload that
     is not a text, a malformed entry (its deadline is not a number), a bad encoding, a long
     text (truncated), a text. One prepare_many call, on the prepare stage's
@@ -189,6 +191,8 @@ def test_a_bad_entry_in_a_read_is_refused_alone(
         return batch_call(payloads)
 
     monkeypatch.setattr(minilm, "prepare_many", spy)
+    # the prepare thread runs on an accelerator; here it is asked for, or not
+    monkeypatch.setattr(worker_module, "prepares_on_a_thread", lambda runners: threaded)
     stream = protocol.stream_key(protocol.DEFAULT_NAMESPACE, "minilm")
     entries = [protocol.entry_fields("e0", protocol.encode({"text": "first"}, protocol.MSGPACK)),
                protocol.entry_fields("e1", b"\xc1"),
@@ -209,7 +213,8 @@ def test_a_bad_entry_in_a_read_is_refused_alone(
         replies = [client.wait(f"e{n}", timeout=60) for n in range(len(entries))]
     client.close()
     r.close()
-    assert chunks == [(5, "redbatch-prepare_0")]  # not the undecodable nor the malformed
+    thread = "redbatch-prepare_0" if threaded else "redbatch-reader"
+    assert chunks == [(5, thread)]  # not the undecodable nor the malformed
     assert [e["ok"] for e in replies] == [True, False, False, False, False, True, True]
     assert [e["error"]["code"] for e in replies[1:5]] == ["invalid_request"] * 4
     assert "msgpack" in replies[1]["error"]["message"]

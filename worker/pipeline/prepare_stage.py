@@ -7,7 +7,9 @@ core) and queues them for the compute loops. So the next XREADGROUP and its pars
 overlap this read's tokenising, where one thread did both in turn (TEI's tokenization
 workers, for the same reason). One thread keeps the reads' order and calls the model's
 `prepare_many` from one thread only, as before; a read's entries are held (in flight)
-from the moment they are handed over, so flow control and redeliveries count them.
+from the moment they are handed over, so flow control and redeliveries count them. The
+worker runs it threaded on an accelerator only (worker.prepares_on_a_thread); unthreaded,
+each hand-over runs at once on the reader thread.
 """
 
 from __future__ import annotations
