@@ -5,6 +5,7 @@ Both sides import this module, so the format is defined exactly once. See docs/p
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Collection
@@ -294,10 +295,18 @@ def _reply_to(raw: bytes | None, default: str, request_id: str, rules: EntryRule
     """The entry's reply key: its `reply_to` when that is under an allowed prefix."""
     if not raw:
         return default
-    problem = rules.reply_to_problem(raw)
+    reply_to, problem = _checked_reply_to(raw, rules)
     if problem:
         raise InvalidEntry(problem, request_id, default, field="reply_to")
-    return raw.decode()
+    return reply_to
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_reply_to(raw: bytes, rules: EntryRules) -> tuple[str, str | None]:
+    """The decoded `reply_to` and why it cannot be used (None: it can). Cached: a client's
+    requests share its reply key, so most entries repeat a key already checked."""
+    problem = rules.reply_to_problem(raw)
+    return ("" if problem else raw.decode()), problem
 
 
 def _check_size(fields: dict[bytes, bytes], request: Request, rules: EntryRules) -> None:

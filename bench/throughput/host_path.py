@@ -6,6 +6,9 @@ One run, one embedded Redis, one in-process worker at a time, the same payloads
   echo      the echo model: read, decode, batch, reply; no tokeniser, no tensors
   instant   MiniLM with an instant forward (a zero tensor of the right shape): its tokeniser,
             collate, post-processing and 384-float replies, without the transformer
+            and tokenising on the prepare thread, as a worker on an accelerator does
+  inline    (--inline) the same, tokenising on the reader thread between its reads, as a
+            worker on a CPU does (worker/pipeline/prepare_stage.py)
 
 Each round submits every payload (one pipelined XADD per request, one shared reply list)
 and times until the last reply is there; the variants take turns, round by round, and the
@@ -37,6 +40,7 @@ from worker.execution.executor import Executor, device_precision, resolve_device
 from worker.models import Model, create_model
 from worker.models.echo import EchoModel
 from worker.models.minilm import MiniLMModel
+from worker.pipeline.prepare_stage import PrepareStage
 
 
 class InstantMiniLM(MiniLMModel):
@@ -59,7 +63,8 @@ def payloads(count: int, encoding: str | None) -> list[bytes]:
 
 @contextmanager
 def serving(url: str, name: str, model: Model, instances: int) -> Iterator[None]:
-    """A worker for `model` on stream `name`, in a thread, until the block ends."""
+    """A worker for `model` on stream `name`, in a thread, until the block ends (`inline`:
+    without the prepare stage's thread)."""
     from worker.app import assemble_worker, connect
     from worker.settings import load_settings
 
@@ -68,6 +73,8 @@ def serving(url: str, name: str, model: Model, instances: int) -> Iterator[None]
                              max_batch_size=64, warmup=False)
     worker = assemble_worker(settings, model, Executor(model, model.device),
                              connect(url, 100))
+    # `instant` as on an accelerator (the worker does so off the CPU); `inline` as on a CPU
+    worker.intake.stage = PrepareStage(threaded=name != "inline")
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     assert worker.ready.wait(30), "worker did not start"
@@ -132,13 +139,14 @@ def report(found: dict[str, list[float]], costs: dict[str, dict[str, float]],
     for name, values in found.items():
         say(f"{name:>8}: median {medians[name]:8.0f} texts/s  "
             f"(rounds: {', '.join(f'{v:.0f}' for v in values)})")
-    if {"echo", "instant"} <= medians.keys():
-        say(f"instant / echo = {medians['instant'] / medians['echo']:.2f}")
+    for name in ("instant", "inline"):
+        if {"echo", name} <= medians.keys():
+            say(f"{name} / echo = {medians[name] / medians['echo']:.2f}")
     if not costs:
         return
     names = list(costs)
     say("\nCPU µs per request " + "".join(f"{n:>10}" for n in names))
-    for stage in (*STAGES, "sum", "process"):
+    for stage in (*STAGES, "sum", "native", "process"):
         say(f"{stage:<18} " + "".join(f"{costs[n].get(stage, 0.0):10.1f}" for n in names))
 
 
@@ -154,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stages", action="store_true", help="rates only")
     parser.add_argument("--device", default="cpu", help="e.g. cuda: the same on a GPU")
     parser.add_argument("--dtype", default="auto", help="the dtype setting, for MiniLM")
+    parser.add_argument("--inline", action="store_true",
+                        help="also `inline`: the instant forward, tokenising on the reader thread")
     parser.add_argument("--real", action="store_true",
                         help="also MiniLM's real forward (`minilm`), for the device's share")
     args = parser.parse_args(argv)
@@ -163,10 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning", "console")
     torch.set_num_threads(1)
     models: dict[str, Model] = {"echo": create_model("echo", {}), "instant": InstantMiniLM()}
+    if args.inline:
+        models["inline"] = models["instant"]  # the same object: one tokenizer, one load
     if args.real:
         models["minilm"] = create_model("minilm", {})
     device = resolve_device(args.device)
-    for model in models.values():
+    for model in {id(model): model for model in models.values()}.values():
         if model.__class__ is not EchoModel:
             model.dtype = getattr(torch, device_precision(args.dtype, device).dtype)
         model.load(device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from producer.embeddings import as_float32_bytes, decode_reply, decode_result
 from tests.rigs.workers import loaded_model
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.minilm import MiniLMModel
+from worker.pipeline import worker as worker_module
 from worker.pipeline.encoding import encode_envelope
 
 TEXTS = ["A cat sat on the mat.", "x", "Redis Streams feed a worker that batches requests.",
@@ -173,38 +175,53 @@ def test_float32_replies_match_the_float_lists_end_to_end(
     assert np.allclose(arrays[0]["embedding"], plain[0]["embedding"], atol=1e-5)
 
 
+@pytest.mark.parametrize("threaded", [True, False], ids=["prepare-thread", "reader-thread"])
 def test_a_bad_entry_in_a_read_is_refused_alone(
         redis_url: str, worker_factory: Callable[..., Any], minilm: MiniLMModel,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """One XREADGROUP of five entries: a text, a payload that is not msgpack, a payload that
-    is not a text, a bad encoding, a text. One prepare_many call; each bad one answered."""
-    chunks: list[int] = []
+        monkeypatch: pytest.MonkeyPatch, threaded: bool) -> None:
+    """One XREADGROUP of seven entries: a text, a payload that is not msgpack, a payload that
+    is not a text, a malformed entry (its deadline is not a number), a bad encoding, a long
+    text (truncated), a text. One prepare_many call, on the prepare stage's
+    thread; each bad one answered alone, the others in their batch."""
+    chunks: list[tuple[int, str]] = []
     batch_call = minilm.prepare_many
 
     def spy(payloads: Sequence[tuple[Any, int]]) -> list[Prepared | Exception]:
-        chunks.append(len(payloads))
+        chunks.append((len(payloads), threading.current_thread().name))
         return batch_call(payloads)
 
     monkeypatch.setattr(minilm, "prepare_many", spy)
+    # the prepare thread runs on an accelerator; here it is asked for, or not
+    monkeypatch.setattr(worker_module, "prepares_on_a_thread", lambda runners: threaded)
     stream = protocol.stream_key(protocol.DEFAULT_NAMESPACE, "minilm")
-    payloads = [protocol.encode({"text": "first"}, protocol.MSGPACK), b"\xc1",
-                protocol.encode({"txt": "no"}, protocol.MSGPACK),
-                protocol.encode({"text": "x", "encoding": 5}, protocol.MSGPACK),
-                protocol.encode({"text": "last one"}, protocol.MSGPACK)]
+    entries = [protocol.entry_fields("e0", protocol.encode({"text": "first"}, protocol.MSGPACK)),
+               protocol.entry_fields("e1", b"\xc1"),
+               protocol.entry_fields("e2", protocol.encode({"txt": "no"}, protocol.MSGPACK)),
+               {**protocol.entry_fields("e3", protocol.encode({"text": "y"}, protocol.MSGPACK)),
+                "deadline_ms": "soon"},
+               protocol.entry_fields("e4", protocol.encode({"text": "x", "encoding": 5},
+                                                           protocol.MSGPACK)),
+               protocol.entry_fields("e5", protocol.encode({"text": "middle " * 400},
+                                                           protocol.MSGPACK)),
+               protocol.entry_fields("e6", protocol.encode({"text": "last one"},
+                                                           protocol.MSGPACK))]
     r = redis.Redis.from_url(redis_url)
-    for n, payload in enumerate(payloads):  # queued before the worker reads: one read
-        r.xadd(stream, protocol.entry_fields(f"e{n}", payload))
+    for fields in entries:  # queued before the worker reads: one read
+        r.xadd(stream, fields)  # type: ignore[arg-type]
     client = Client(redis_url, "minilm")
     with worker_factory(model="minilm", instance=minilm):
-        replies = [client.wait(f"e{n}", timeout=60) for n in range(len(payloads))]
+        replies = [client.wait(f"e{n}", timeout=60) for n in range(len(entries))]
     client.close()
     r.close()
-    assert chunks[0] == 4  # the undecodable one never reached the model
-    assert [e["ok"] for e in replies] == [True, False, False, False, True]
-    assert [e["error"]["code"] for e in replies[1:4]] == ["invalid_request"] * 3
+    thread = "redbatch-prepare_0" if threaded else "redbatch-reader"
+    assert chunks == [(5, thread)]  # not the undecodable nor the malformed
+    assert [e["ok"] for e in replies] == [True, False, False, False, False, True, True]
+    assert [e["error"]["code"] for e in replies[1:5]] == ["invalid_request"] * 4
     assert "msgpack" in replies[1]["error"]["message"]
-    assert replies[3]["error"]["field"] == "encoding"
-    assert replies[0]["result"]["tokens"] == 3 and replies[4]["result"]["tokens"] == 4
+    assert "deadline_ms" in replies[3]["error"]["message"]
+    assert replies[4]["error"]["field"] == "encoding"
+    assert replies[0]["result"]["tokens"] == 3 and replies[6]["result"]["tokens"] == 4
+    assert replies[5]["result"]["tokens"] == 256  # truncated, in the same chunk
 
 
 def test_the_host_path_benchmark_runs() -> None:

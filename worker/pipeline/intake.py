@@ -1,11 +1,13 @@
 """The intake thread: read or claim entries, divert poison, parse, prepare, queue.
 
-It runs in the `redbatch-reader` thread. It never runs the model's forward pass: good
-entries become Pending requests in the batcher, bad ones (and those refused at read time,
-predicted to miss their deadline or the target) are answered at once, written by this
-thread in one reply-and-ack call per read (reply.ReadTimeAnswers), not queued behind the
-results. Its Redis calls are the reads and claims, the dead-letter diversion, that write,
-and the XACK of entries that cannot be answered at all.
+It runs in the `redbatch-reader` thread; each read's decoding, preparing (tokenising) and
+queueing run on the prepare stage's thread (prepare_stage.py), overlapping the next read.
+It never runs the model's forward pass: good entries become Pending requests in the
+batcher, bad ones (and those refused at read time, predicted to miss their deadline or the
+target) are answered at once, written in one reply-and-ack call per read
+(reply.ReadTimeAnswers), not queued behind the results. Its Redis calls are the reads and
+claims, the id claims, the dead-letter diversion, that write, and the XACK of entries that
+cannot be answered at all.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer, refused_answer
 from worker.pipeline.generative_envelopes import routed_error
 from worker.pipeline.inflight import InFlight
+from worker.pipeline.prepare_stage import PrepareStage
 from worker.pipeline.reply import ReadTimeAnswers
 from worker.pipeline.retry import RedisRetry
 from worker.policy.batching import Batcher, Pending
@@ -54,6 +57,7 @@ class IntakeConfig:
     max_payload_bytes: int
     block_ms: int
     reply_prefixes: tuple[str, ...] = ()  # where a reply_to may point besides the defaults
+    prepare_thread: bool = True  # tokenise on the prepare stage's thread (prepare_stage.py)
 
 
 class Intake:
@@ -78,18 +82,23 @@ class Intake:
         self.rules = EntryRules(config.namespace, config.max_payload_bytes,
                                          config.reply_prefixes)
         self.read_time = ReadTimeAnswers(config.model_name, replier, inflight, answers, retry)
+        self.stage = PrepareStage(threaded=config.prepare_thread)
 
     def run(self, stopping: threading.Event) -> None:
         """Read until stopping; then tell the compute loops nothing more will come (what
         a sharded reader's threads read meanwhile is admitted first, and answered)."""
         try:
-            while not stopping.is_set():
-                room = self.inflight.wait_for_room(self.reader.draining_own_pending, stopping)
-                if room:
-                    self.admit(self.retry(self.next_entries, room))
-            left = self.reader.close()
-            if left:
-                self.admit(left)
+            try:
+                while not stopping.is_set():
+                    room = self.inflight.wait_for_room(self.reader.draining_own_pending,
+                                                       stopping)
+                    if room:
+                        self.admit(self.retry(self.next_entries, room))
+                left = self.reader.close()
+                if left:
+                    self.admit(left)
+            finally:
+                self.stage.drain()  # all that was read is queued before reading stops
         finally:
             self.inflight.stop_reading()
 
@@ -102,15 +111,26 @@ class Intake:
         return self.reader.read(self.inflight.policy.read_size(room), self.config.block_ms)
 
     def admit(self, entries: Sequence[Entry]) -> None:
-        """Classify new entries, queue the good ones, answer the bad ones."""
+        """Parse new entries and claim their ids here; hand them, held from now on, to the
+        prepare stage, which decodes, tokenises and queues them (or answers them)."""
         entries = self.retry(self.dead_letters.divert, self.inflight.not_held(entries))
-        admission = self.classify(entries, time.monotonic(), int(time.time() * 1000))
+        admission = Admission()
+        parsed = self.parse_all(entries, admission)
+        with self.inflight.lock:
+            self.inflight.held.update(entry.id for entry, _ in parsed)
+            self.inflight.held.update(a.entry_id for a in admission.bad)
+        self.stage.submit(self.settle, admission, parsed, time.monotonic(),
+                          int(time.time() * 1000))
+
+    def settle(self, admission: Admission, parsed: Sequence[tuple[Entry, Request]],
+               now: float, now_ms: int) -> None:
+        """On the prepare stage: prepare the parsed requests, queue the good ones, answer
+        the bad ones (one reply-and-ack call), ack those that cannot be answered."""
+        self.prepare_into(admission, parsed, now, now_ms)
         if admission.unanswerable:
             self.retry(self.replier.ack, admission.unanswerable)
         now_ms = int(time.time() * 1000)
         with self.inflight.lock:
-            self.inflight.held.update(p.entry_id for p in admission.good)
-            self.inflight.held.update(a.entry_id for a in admission.bad)
             for pending in admission.good:
                 self._queue_or_refuse(pending, now_ms, admission.bad)
             self.inflight.work.notify_all()
@@ -128,15 +148,19 @@ class Intake:
                 return
         self.batcher.add(pending)
 
-    def classify(self, entries: Sequence[Entry], now: float, now_ms: int) -> Admission:
-        """Parse every entry, claim the ids of those that parse (one Redis call), then
-        decode and prepare the ones whose id is theirs (one model call for the read)."""
-        admission = Admission()
+    def parse_all(self, entries: Sequence[Entry],
+                  admission: Admission) -> list[tuple[Entry, Request]]:
+        """Every entry's request, its id claimed (one Redis call); those malformed, deleted
+        or with an id another entry serves are put in `admission` instead."""
         parsed = [(entry, request) for entry in entries
                   if (request := self._parse(entry, admission)) is not None]
         taken = self.retry(self.ids.taken, [Claim(e.id, r.id, r.reply_to) for e, r in parsed])
         admission.bad += [self._duplicate(e.id, r) for e, r in parsed if e.id in taken]
-        parsed = [(entry, request) for entry, request in parsed if entry.id not in taken]
+        return [(entry, request) for entry, request in parsed if entry.id not in taken]
+
+    def prepare_into(self, admission: Admission, parsed: Sequence[tuple[Entry, Request]],
+                     now: float, now_ms: int) -> None:
+        """Decode and prepare the parsed requests (one model call for the read)."""
         for (entry, _), prepared in zip(parsed, self.prepare_all(parsed, now, now_ms),
                                         strict=True):
             if isinstance(prepared, Pending):
@@ -147,7 +171,6 @@ class Intake:
                 admission.good.append(prepared)
             else:
                 admission.bad.append(prepared)
-        return admission
 
     def _parse(self, entry: Entry, admission: Admission) -> Request | None:
         """The entry's request, or None once it is answered (malformed) or acked (deleted)."""

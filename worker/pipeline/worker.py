@@ -1,6 +1,8 @@
 """The worker: threads joined by the bucketed batcher and the answer queue.
 
-    intake thread     XREADGROUP -> divert -> parse -> model.prepare -> Batcher    (intake.py)
+    intake thread     XREADGROUP -> divert -> parse, claim ids -> prepare stage   (intake.py)
+    prepare thread    decode -> model.prepare_many -> Batcher   (prepare_stage.py; on a CPU:
+                      the intake thread, between its reads)
     compute thread(s) Batcher.next_batch -> BatchRunner (the model)   -> answers   (compute.py)
     reply thread      encode -> Lua reply+ack -> free in-flight slots              (reply.py)
     maintenance       trim, backlog, idle consumers          (streams/maintenance.py)
@@ -76,6 +78,15 @@ class Parts:
     controller: BatchController | None = None  # a baseline's limits controller (issue 13)
 
 
+def prepares_on_a_thread(runners: list[BatchRunner]) -> bool:
+    """Tokenise on the prepare stage's thread when the model runs on an accelerator: there
+    the host's cores are free while the device computes, and the next read overlaps this
+    one's tokenising. On a CPU the model's forward and the tokenizer's pool already take
+    every core, and the thread measured no gain (bench.host_path --inline): the reader
+    tokenises between its reads, as before."""
+    return any(runner.executor.device.type != "cpu" for runner in runners)
+
+
 class Worker:
     def __init__(self, settings: Settings, model: Model, parts: Parts,
                  lock: threading.Lock) -> None:
@@ -96,7 +107,8 @@ class Worker:
         self.answers = answers
         self.intake = Intake(
             IntakeConfig(self.name, settings.namespace, settings.max_payload_bytes,
-                         settings.block_ms, tuple(settings.reply_prefixes)),
+                         settings.block_ms, tuple(settings.reply_prefixes),
+                         prepare_thread=prepares_on_a_thread(parts.runners)),
             model, parts.reader, parts.reclaimer, parts.dead_letters, parts.replier,
             parts.batcher, self.inflight, answers, self.retry, parts.targeted, parts.ids)
         config = ComputeConfig(self.name, settings.consumer)

@@ -41,10 +41,16 @@ class Batch:
     slack_ms: float | None = None  # with a latency target: time in hand at dispatch
     refused: list[Pending] = field(default_factory=list)  # cork: `overloaded`, not computed
     retry_after_ms: int = 0  # what the refused are told
+    # (members list, its size, its longest): asked for about five times a batch
+    _longest: tuple[int, int, int] = field(default=(0, -1, 0), repr=False, compare=False)
 
     @property
     def longest(self) -> int:
-        return max((p.item.length for p in self.members), default=0)
+        members = self.members
+        if self._longest[:2] != (id(members), len(members)):  # members were added or replaced
+            self._longest = (id(members), len(members),
+                             max((p.item.length for p in members), default=0))
+        return self._longest[2]
 
     @property
     def padded_tokens(self) -> int:

@@ -30,6 +30,18 @@ def test_staging_buffers_are_reused_per_key_in_two_turns() -> None:
     assert staging.allocations == 4
 
 
+def test_batches_one_after_another_reuse_one_buffer_per_key() -> None:
+    """What the CUDA test below checks on the device: a batch staged after the last one's
+    copy finished takes that slot again. Taking the two slots strictly in turn made the
+    second batch allocate each key's second buffer: 4 allocations for 2 keys (issue 31)."""
+    staging = PinnedStaging(pin=False)
+    for _ in range(3):
+        staging.hold((0, 0), torch.ones(2, 16, dtype=torch.long))  # input_ids
+        staging.hold((0, 1), torch.ones(2, 16, dtype=torch.long))  # attention_mask
+        staging.release(Marker(None))  # copied, and done (as after finish() on CUDA)
+    assert staging.allocations == 2
+
+
 def test_on_cpu_lanes_are_no_ops_with_host_timestamps() -> None:
     lanes = Lanes(CPU)
     assert lanes.copy_stream is None and lanes.compute_stream is None
@@ -78,8 +90,11 @@ def test_cuda_batches_are_copied_from_reused_pinned_buffers() -> None:
     items = [model.sample(16), model.sample(12)]
     first = executor.run(items, bucket=0)
     allocations = executor.staging.allocations
+    assert allocations == 2  # one buffer per tensor of the batch: input_ids, attention_mask
     second = executor.run(items, bucket=0)
-    assert executor.staging.allocations == allocations  # reused, not allocated per batch
+    # run() waited for the first batch, whose compute waited for its copy: its slots are free
+    # and taken again (strict turns allocated each key's second slot here: 4, not 2)
+    assert executor.staging.allocations == allocations
     assert torch.allclose(torch.tensor(first[0]["embedding"]),
                           torch.tensor(second[0]["embedding"]), atol=1e-5)
     slot = executor.staging._slots[(0, 0)][0]
