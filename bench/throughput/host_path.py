@@ -150,6 +150,21 @@ def report(found: dict[str, list[float]], costs: dict[str, dict[str, float]],
         say(f"{stage:<18} " + "".join(f"{costs[n].get(stage, 0.0):10.1f}" for n in names))
 
 
+def loaded_models(args: argparse.Namespace) -> dict[str, Model]:
+    """echo, the instant forward, and with --inline / --real its variants, loaded once each."""
+    models: dict[str, Model] = {"echo": create_model("echo", {}), "instant": InstantMiniLM()}
+    if args.inline:
+        models["inline"] = models["instant"]  # the same object: one tokenizer, one load
+    if args.real:
+        models["minilm"] = create_model("minilm", {})
+    device = resolve_device(args.device)
+    for model in {id(model): model for model in models.values()}.values():
+        if model.__class__ is not EchoModel:
+            model.dtype = getattr(torch, device_precision(args.dtype, device).dtype)
+        model.load(device)
+    return models
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.throughput.host_path",
                                      description=__doc__,
@@ -172,16 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("warning", "console")
     torch.set_num_threads(1)
-    models: dict[str, Model] = {"echo": create_model("echo", {}), "instant": InstantMiniLM()}
-    if args.inline:
-        models["inline"] = models["instant"]  # the same object: one tokenizer, one load
-    if args.real:
-        models["minilm"] = create_model("minilm", {})
-    device = resolve_device(args.device)
-    for model in {id(model): model for model in models.values()}.values():
-        if model.__class__ is not EchoModel:
-            model.dtype = getattr(torch, device_precision(args.dtype, device).dtype)
-        model.load(device)
+    models = loaded_models(args)
     data = {name: payloads(args.requests, None if name == "echo" else args.encoding)
             for name in models}
     with tempfile.TemporaryDirectory() as tmp, \

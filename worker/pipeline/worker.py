@@ -82,7 +82,7 @@ def prepares_on_a_thread(runners: list[BatchRunner]) -> bool:
     """Tokenise on the prepare stage's thread when the model runs on an accelerator: there
     the host's cores are free while the device computes, and the next read overlaps this
     one's tokenising. On a CPU the model's forward and the tokenizer's pool already take
-    every core, and the thread measured no gain (bench.host_path --inline): the reader
+    every core, and the thread measured no gain (bench.throughput.host_path --inline): the reader
     tokenises between its reads, as before."""
     return any(runner.executor.device.type != "cpu" for runner in runners)
 
