@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from bench.continuous import RecordingEngine, Request, Served, serve
-from worker.execution.generation import kv_bytes_per_token
+from worker.models.generative import kv_bytes_per_token
 from worker.policy.decoding import SchedulerLimits
 
 SENTENCES = Path(__file__).resolve().parent.parent / "examples" / "sentences.txt"
