@@ -50,6 +50,7 @@ class EngineSeq:
     text: TextState
     seed: int  # its draws' (execution/sampling.py): the request's seed, or its entropy
     blocks: list[int] = field(default_factory=list)  # its block table in the pool
+    slots: list[int] = field(default_factory=list)  # its tokens' slots, as far as reserved
     cached: int = 0  # tokens whose keys and values are in its blocks
 
     def tokens(self, start: int, end: int) -> list[int]:
@@ -165,8 +166,10 @@ class GenerationEngine:
         for seq, work in zip(seqs, works, strict=True):
             assert seq.cached == work.start, (seq.id, seq.cached, work.start)
             self.pool.reserve(seq.blocks, work.end)
+            if work.end > len(seq.slots):  # only the new tokens' slots are worked out
+                seq.slots += self.pool.slot_list(seq.blocks, work.end, len(seq.slots))
         layout = StepLayout(self.pool, [s.blocks for s in seqs], [w.start for w in works],
-                            [w.end for w in works], bind=False)
+                            [w.end for w in works], bind=False, slots=[s.slots for s in seqs])
         ids: list[int] = []
         for seq, work in zip(seqs, works, strict=True):
             ids += [0] * (layout.queries - work.tokens) + seq.tokens(work.start, work.end)
@@ -190,8 +193,8 @@ class GenerationEngine:
         layout = forward.layout
         with stepping(layout):
             ids = forward.device[0].view(layout.rows, layout.queries)
-            out = self.lm(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
-                          position_ids=layout.positions, logits_to_keep=1)
+            out = self.lm(input_ids=ids, attention_mask=torch.ones_like(ids, dtype=torch.bool),
+                          use_cache=False, position_ids=layout.positions, logits_to_keep=1)
         if layout.attended != len(self.pool.keys):  # a layer bypassed the pool: wrong tokens
             raise RuntimeError(f"{layout.attended} of {len(self.pool.keys)} layers ran the "
                                "engine's paged attention")
@@ -207,6 +210,7 @@ class GenerationEngine:
 
     def _forget(self, seq: EngineSeq) -> None:
         self.pool.release(seq.blocks)
+        seq.slots.clear()
         seq.cached = 0
 
 

@@ -64,9 +64,10 @@ class KVPool:
             heapq.heappush(self._free, block)
         table.clear()
 
-    def slot_list(self, table: Sequence[int], end: int) -> list[int]:
-        """The slots of tokens [0, end) of a block table, on the host."""
-        return [table[i // BLOCK_TOKENS] * BLOCK_TOKENS + i % BLOCK_TOKENS for i in range(end)]
+    def slot_list(self, table: Sequence[int], end: int, start: int = 0) -> list[int]:
+        """The slots of tokens [start, end) of a block table, on the host."""
+        return [table[i // BLOCK_TOKENS] * BLOCK_TOKENS + i % BLOCK_TOKENS
+                for i in range(start, end)]
 
     def slots(self, table: Sequence[int], end: int) -> torch.Tensor:
         """The slots of tokens [0, end) of a block table."""
@@ -88,7 +89,10 @@ class StepLayout:
     device views; `bind=True` copies them here instead (tests, tools)."""
 
     def __init__(self, pool: KVPool, tables: Sequence[Sequence[int]], starts: Sequence[int],
-                 ends: Sequence[int], bind: bool = True) -> None:
+                 ends: Sequence[int], bind: bool = True,
+                 slots: Sequence[list[int]] | None = None) -> None:
+        """`slots`: each row's slots of tokens [0, end) if the caller keeps them (the
+        engine does, extended as a sequence grows), else they are computed here."""
         self.pool, self.tables = pool, [list(t) for t in tables]
         self.starts, self.ends = list(starts), list(ends)
         queries = max(e - s for s, e in zip(starts, ends, strict=True))
@@ -98,11 +102,12 @@ class StepLayout:
         write: list[int] = []
         history: list[int] = []
         positions: list[int] = []
-        for table, start, end in zip(tables, starts, ends, strict=True):
-            slots = pool.slot_list(table, end)
+        for row, (table, start, end) in enumerate(zip(tables, starts, ends, strict=True)):
+            own = pool.slot_list(table, end) if slots is None else slots[row]
+            own = own if len(own) == end else own[:end]
             pad = queries - (end - start)  # padded queries write to the trash block and
-            write += [TRASH_SLOT] * pad + slots[start:]  # repeat their row's first position
-            history += slots
+            write += [TRASH_SLOT] * pad + own[start:]  # repeat their row's first position
+            history += own
             positions += [start] * pad + list(range(start, end))
         self.host = (write, history, positions)
         if bind:
