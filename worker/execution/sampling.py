@@ -112,20 +112,12 @@ def _filtered(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return scores.masked_fill(~kept, float("-inf"))
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32 for x < 2^32, in int64 without overflow (16-bit halves)."""
-    low = (x & 0xFFFF) * c
-    high = ((x >> 16) * c) & 0xFFFF
-    return (low + (high << 16)) & _M32
-
-
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding 32-bit values."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (Thomas Mueller's) on int64 tensors holding 32-bit values; its
+    multiplier is below 2^27, so no product overflows int64: exact on every device."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
 
 
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
