@@ -76,7 +76,7 @@ def test_the_draws_follow_the_softmax_of_the_scaled_logits() -> None:
 
 def test_uniforms_are_in_the_open_interval_and_differ_by_key() -> None:
     keys = torch.tensor([draw_key(s, i) for s in range(4) for i in range(4)])
-    u = uniforms(keys, 5000)
+    u = uniforms(keys, torch.arange(5000)[None])
     assert float(u.min()) > 0 and float(u.max()) < 1
     assert abs(float(u.mean()) - 0.5) < 0.01
     assert len({tuple(row[:8].tolist()) for row in u}) == 16
@@ -98,7 +98,7 @@ def test_the_batch_is_chosen_in_tensor_ops_whatever_its_size() -> None:
     small, large = ops(2), ops(16)
     assert small == large
     assert large["aten::_local_scalar_dense"] == 0
-    assert large["aten::sort"] == 1
+    assert large["aten::topk"] == 1 and large["aten::sort"] == 0  # only the best 20 sorted
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

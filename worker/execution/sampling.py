@@ -8,8 +8,10 @@ the token it draws): the draws of a seeded request do not depend on which other 
 share the batch, nor on preemptions or on a resume by another worker. An unseeded request
 is seeded by its entropy (GenerationEngine.add).
 
-Everything but the (seed, index) -> key mixing runs in tensor ops over the whole batch: one
-sort when a row filters, no per-row host copy, the chosen tokens are the only result.
+Everything but the (seed, index) -> key mixing runs in tensor ops over the whole batch: when
+a row filters, one top-k of the largest top-k (a sort when a row has top-p alone), no
+per-row host copy, the chosen tokens are the only result. EOS is not looked for here: the
+host sees each chosen token anyway (detokenize.py's TextState stops on it).
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ class RowDraws:
         return any(t != 0 and (k > 0 or p < 1.0)
                    for t, k, p in zip(self.temperature, self.top_k, self.top_p, strict=True))
 
+    def candidates(self, vocab: int) -> int:
+        """How many of the best tokens the drawing rows can keep: the largest top-k, or
+        the whole vocabulary if one draws without a top-k."""
+        return max((min(k, vocab) if k > 0 else vocab
+                    for t, k in zip(self.temperature, self.top_k, strict=True) if t != 0),
+                   default=vocab)
+
     def packed(self) -> torch.Tensor:
         """[INPUTS_PER_ROW x rows] int64: the floats by their bits (one copy for all)."""
         floats = torch.tensor(self.temperature + self.top_p, dtype=torch.float64)
@@ -92,24 +101,30 @@ def choose_tokens(logits: torch.Tensor, draws: RowDraws,
     divisor = temperature.float().clamp_min(torch.finfo(torch.float32).tiny)
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / divisor[:, None]
     if draws.filters:
-        scores = _filtered(scores, top_k, top_p)
-    drawn = torch.argmax(scores + gumbel(keys, scores.shape[-1]), dim=-1)
+        drawn = _filtered_draw(scores, top_k, top_p, keys, draws.candidates(scores.shape[-1]))
+    else:
+        ids = torch.arange(scores.shape[-1], device=scores.device)[None]
+        drawn = torch.argmax(scores + gumbel(keys, ids), dim=-1)
     return torch.where(temperature > 0, drawn, greedy)
 
 
-def _filtered(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Scores outside each row's top k, or beyond its nucleus top_p (of what top-k kept),
-    set to -inf; a row always keeps its best token."""
+def _filtered_draw(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   keys: torch.Tensor, width: int) -> torch.Tensor:
+    """The draw among each row's top k (the best `width` of all rows are sorted, not the
+    whole vocabulary), then within its nucleus top_p of what top-k kept; a row always
+    keeps its best token. The nucleus comes from a prefix sum (no softmax over the width):
+    a row's tokens and draw do not depend on the other rows' width."""
     vocab = scores.shape[-1]
-    ordered, order = torch.sort(scores, dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scores.device)
-    k = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)
-    keep = ranks[None] < k[:, None]
-    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
-    within = torch.cumsum(probs, dim=-1) - probs <= top_p[:, None]  # keeps the first
-    keep &= within | (top_p >= 1.0)[:, None]
-    kept = torch.zeros_like(keep).scatter_(1, order, keep)
-    return scores.masked_fill(~kept, float("-inf"))
+    ordered, order = torch.topk(scores, width, dim=-1) if width < vocab else \
+        torch.sort(scores, dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, vocab).clamp_max(width)
+    keep = torch.arange(width, device=scores.device)[None] < k[:, None]
+    mass = torch.exp(ordered).masked_fill(~keep, 0.0)  # the best score is 0: no overflow
+    before = torch.cumsum(mass, dim=-1)
+    total = before.gather(1, (k - 1)[:, None])
+    keep &= ((before - mass) <= top_p[:, None] * total) | (top_p >= 1.0)[:, None]
+    noisy = ordered.masked_fill(~keep, float("-inf")) + gumbel(keys, order)
+    return order.gather(1, torch.argmax(noisy, dim=-1, keepdim=True))[:, 0]
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -120,14 +135,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] float32 in (0, 1): a hash of each row's key and each token id."""
+def uniforms(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 in (0, 1), one per token id of `ids` ([rows, n] or [1, n]): a hash of the
+    row's key and the token id, so a token's number is the same wherever it sits."""
     low, high = keys & _M32, (keys >> 32) & _M32
-    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    mixed = _mix32(_mix32(ids[None] ^ high[:, None]) ^ low[:, None])
+    mixed = _mix32(_mix32(ids ^ high[:, None]) ^ low[:, None])
     return ((mixed >> 8).float() + 0.5) * 2.0 ** -24
 
 
-def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise of each row's key, one per token id."""
-    return -torch.log(-torch.log(uniforms(keys, vocab)))
+def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise of each row's key, one per token id of `ids`."""
+    return -torch.log(-torch.log(uniforms(keys, ids)))
