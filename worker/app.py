@@ -29,6 +29,7 @@ from worker.execution.calibration import (
 )
 from worker.execution.cores import available_cores
 from worker.execution.executor import Executor, device_precision, dtype_name, resolve_device
+from worker.execution.generation import engine_for
 from worker.execution.guarded_runner import BatchRunner
 from worker.execution.memory import MemoryProbe, memory_probe
 from worker.models import Model, ModelLoadError, create_model
@@ -186,7 +187,7 @@ def generation_parts(settings: Settings, model: Model, client: redis.Redis,
             client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
             protocol.answered_key(settings.namespace, settings.model_name), settings.model_name,
             ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
-    return GenerationParts(model.engine(), DecodingScheduler(model.scheduler_limits()),
+    return GenerationParts(engine_for(model), DecodingScheduler(model.scheduler_limits()),
                            streams)
 
 

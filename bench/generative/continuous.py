@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from worker.execution.generation import EngineSeq, GenerationEngine, StepOutput
-from worker.execution.sampling import SamplingParams
-from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState, StepPlan, Work
+from worker.execution.generation import EngineSeq, Forward, GenerationEngine, StepOutput
+from worker.models.generation_params import SamplingParams
+from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState, StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,17 +67,16 @@ class RecordingEngine(GenerationEngine):
         self.was_preempted.update(plan.preempted)
         return super().step(plan)
 
-    def _prefill(self, seq: EngineSeq, work: Work) -> torch.Tensor:
-        logits = super()._prefill(seq, work)
+    def _forward(self, forward: Forward) -> torch.Tensor:
+        logits = super()._forward(forward)
+        if forward.batched:
+            for row, seq in enumerate(forward.seqs):
+                self._note(seq, logits[row], "decode", len(forward.seqs))
+            return logits
+        seq, work = forward.seqs[0], forward.works[0]
         self.chunks[seq.id] = self.chunks.get(seq.id, 0) + 1
         if work.end == len(seq.prompt_ids) + len(seq.text.generated):
-            self._note(seq, logits, "prefill", 1)
-        return logits
-
-    def _decode(self, works: Sequence[Work]) -> dict[str, torch.Tensor]:
-        logits = super()._decode(works)
-        for work in works:
-            self._note(self.seqs[work.id], logits[work.id], "decode", len(works))
+            self._note(seq, logits[0], "prefill", 1)
         return logits
 
     def _note(self, seq: EngineSeq, logits: torch.Tensor, path: str, width: int) -> None:

@@ -27,7 +27,7 @@ import torch
 
 from bench.common.paths import SENTENCES, results_dir
 from bench.generative.continuous import RecordingEngine, Request, Served, serve
-from worker.execution.generation import kv_bytes_per_token
+from worker.models.generative import kv_bytes_per_token
 from worker.policy.decoding import SchedulerLimits
 
 RESULTS = results_dir("generative")

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.generative.workload import MAX_NEW, GenRequest
-from worker.execution.sampling import SamplingParams
+from worker.execution.generation import engine_for
+from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SeqState
 
 
@@ -46,7 +47,7 @@ class Run:
 def run_engine(model: Any, requests: Sequence[GenRequest], cap: int,
                static: bool = False) -> Run:
     """redbatch's engine stepped to the end: continuous, or static (run to completion)."""
-    engine = model.engine()
+    engine = engine_for(model)
     scheduler = DecodingScheduler(replace(model.scheduler_limits(), max_seqs=cap))
     queued = list(enumerate(requests))
     outputs: dict[int, list[int]] = {}

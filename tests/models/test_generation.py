@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from tests.rigs.tiny_lm import build_tiny_lm
-from worker.execution.generation import GenerationEngine, kv_bytes_per_token
-from worker.execution.sampling import SamplingParams, TextState
+from worker.execution.detokenize import TextState
+from worker.execution.generation import GenerationEngine
+from worker.models.generation_params import SamplingParams
+from worker.models.generative import kv_bytes_per_token
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState, StepPlan, Work
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.rigs.tiny_lm import build_tiny_lm
-from worker.execution.generation import GenerationEngine
+from worker.execution.generation import GenerationEngine, engine_for
 from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_SLOT, KVPool, KVPoolFull, StepLayout
-from worker.execution.sampling import SamplingParams
+from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -118,7 +118,31 @@ def test_a_worker_lowers_its_kv_cache_to_the_watermark_or_refuses_to_start(
     assert model.limits.kv_budget_bytes == 64 << 20  # room enough: unchanged
     fit_kv_cache(model, MemoryReading(used=(900 << 20) - (1 << 20), limit=1000 << 20), 0.9)
     assert model.limits.kv_budget_bytes == 1 << 20
-    assert model.engine().pool.free_tokens >= (1 << 20) // per_token
+    assert engine_for(model).pool.free_tokens >= (1 << 20) // per_token
     with pytest.raises(StartupError, match=r"the KV cache would get 0 MiB \(32 tokens\)"):
         fit_kv_cache(model, MemoryReading(used=(900 << 20) - 32 * per_token,
                                           limit=1000 << 20), 0.9)
+
+
+def test_the_weights_and_the_kv_pool_are_in_the_model_s_dtype(tmp_path: Path) -> None:
+    """The `dtype` setting (model.dtype, set before load) reaches the weights, the pool and
+    the KV budget's bytes per token."""
+    from worker.models.generative import CausalLM
+
+    path = str(build_tiny_lm(tmp_path))
+    per_token = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = CausalLM(path, kv_cache_bytes=1 << 20)
+        model.dtype = dtype
+        model.load(CPU)
+        engine = engine_for(model)
+        assert model.lm.dtype == engine.pool.keys[0].dtype == dtype
+        per_token[dtype] = model.scheduler_limits().bytes_per_token
+        assert engine.pool.free_tokens >= (1 << 20) // per_token[dtype]
+        engine.add("a", [5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.7, seed=1))
+        scheduler = DecodingScheduler(model.scheduler_limits())
+        scheduler.add(SeqState("a", 3, 4))
+        while len(scheduler):
+            scheduler.update(engine.step(scheduler.schedule()).finished)
+        assert len(engine.seqs["a"].text.generated) == 4
+    assert per_token[torch.bfloat16] * 2 == per_token[torch.float32]

@@ -100,7 +100,7 @@ def test_the_engine_s_forwards_run_the_paged_attention_and_generate_runs_sdpa(
 
     from worker.execution import paged_attention as module
     from worker.execution.generation import GenerationEngine
-    from worker.execution.sampling import SamplingParams
+    from worker.models.generation_params import SamplingParams
     from worker.policy.decoding import StepPlan, Work
 
     path = build_tiny_lm(tmp_path)

@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from worker.execution.generation import GenerationEngine
 from worker.models.base import Prepared
 from worker.models.echo import EchoModel
 from worker.models.generative import CausalLM
@@ -185,22 +184,22 @@ class SerialEcho(EchoModel):
 
 
 class SlowStepLM(CausalLM):
-    """The causal LM with every engine step followed by a sleep of `step_ms`: a generation
-    of n tokens takes at least n x step_ms, so it outlasts a grace or a claim time by
-    construction, on a fast host as on a slow one (a sleep never returns early)."""
+    """The causal LM with every forward of the model followed by a sleep of `step_ms` (a
+    step runs one or more): a generation of n tokens takes at least n x step_ms, so it
+    outlasts a grace or a claim time by construction, on a fast host as on a slow one (a
+    sleep never returns early)."""
 
     def __init__(self, step_ms: float = 20.0, **options: Any) -> None:
         super().__init__(**options)
         self.step_s = step_ms / 1000
 
-    def engine(self) -> GenerationEngine:
-        engine = super().engine()
-        run_step = engine.step
+    def load(self, device: Any) -> None:
+        super().load(device)
+        forward = self.lm.forward
 
-        def slow_step(*args: Any, **kwargs: Any) -> Any:
-            output = run_step(*args, **kwargs)
+        def slow_forward(*args: Any, **kwargs: Any) -> Any:
+            output = forward(*args, **kwargs)
             time.sleep(self.step_s)
             return output
 
-        engine.step = slow_step  # type: ignore[method-assign]
-        return engine
+        self.lm.forward = slow_forward

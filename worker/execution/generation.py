@@ -13,6 +13,11 @@ The model's attention is the engine's own (execution/paged_attention.py, registe
 transformers' AttentionInterface): the step's StepLayout is set for the duration of the
 forward (`stepping`), which keeps no cache of its own (`use_cache=False`).
 
+A step's inputs for all its forwards (token ids, positions, KV slots, the sampler's
+per-row inputs) go to the device in one copy through preallocated buffers
+(execution/step_buffers.py); each forward's tokens are chosen on the device
+(execution/sampling.py) and come back in one copy.
+
 Preempted and finished sequences give their blocks back; a preempted one's next prefill
 recomputes its cache from its tokens. Torch only: no Redis, no threads (the generate loop,
 pipeline/generate.py, calls it).
@@ -26,15 +31,13 @@ from typing import Any
 
 import torch
 
-from worker.execution.kv_pool import KVPool, StepLayout
+from worker.execution.detokenize import Delta, TextState
+from worker.execution.kv_pool import BLOCK_TOKENS, KVPool, StepLayout
 from worker.execution.paged_attention import stepping, use_paged_attention
-from worker.execution.sampling import (
-    Delta,
-    SamplingParams,
-    TextState,
-    choose_token,
-    choose_tokens,
-)
+from worker.execution.sampling import RowDraws, choose_tokens
+from worker.execution.step_buffers import StepBuffers
+from worker.models.generation_params import SamplingParams
+from worker.models.generative import CausalLM, kv_shape
 from worker.policy.decoding import StepPlan, Work
 
 DEFAULT_KV_TOKENS = 16384  # an engine built without a budget (tests, tools)
@@ -45,13 +48,16 @@ class EngineSeq:
     id: str
     prompt_ids: list[int]
     text: TextState
-    generator: torch.Generator
+    seed: int  # its draws' (execution/sampling.py): the request's seed, or its entropy
     blocks: list[int] = field(default_factory=list)  # its block table in the pool
+    slots: list[int] = field(default_factory=list)  # its tokens' slots, as far as reserved
     cached: int = 0  # tokens whose keys and values are in its blocks
 
     def tokens(self, start: int, end: int) -> list[int]:
-        every = self.prompt_ids + self.text.generated
-        return every[start:end]
+        prompt = len(self.prompt_ids)
+        if start >= prompt:  # a decode: no copy of the whole sequence
+            return self.text.generated[start - prompt:end - prompt]
+        return (self.prompt_ids + self.text.generated)[start:end]
 
 
 @dataclass(slots=True)
@@ -63,22 +69,17 @@ class StepOutput:
         return [d.id for d in self.deltas if d.finish_reason]
 
 
-def kv_shape(config: Any) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a causal LM's config."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
-        else config
-    layers = getattr(text, "num_hidden_layers", None) or text.n_layer
-    heads = getattr(text, "num_attention_heads", None) or text.n_head
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None) or text.n_embd
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
-    return layers, kv_heads, head_dim
+@dataclass(slots=True)
+class Forward:
+    """One forward of a step, staged: its rows, their layout, ids and draws."""
 
-
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """2 (keys and values) x layers x KV heads x head dim x bytes per element."""
-    layers, kv_heads, head_dim = kv_shape(config)
-    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    seqs: list[EngineSeq]
+    works: list[Work]
+    layout: StepLayout
+    ids: list[int]  # rows x queries, left-padded; a device view once uploaded
+    draws: RowDraws | None  # None when no row emits a token
+    batched: bool  # the step's decode rows together (else one sequence alone)
+    device: list[torch.Tensor] = field(default_factory=list)  # ids (and draws) on device
 
 
 class GenerationEngine:
@@ -93,14 +94,15 @@ class GenerationEngine:
         self.seqs: dict[str, EngineSeq] = {}
         self.pool = KVPool(*kv_shape(lm.config), tokens=kv_tokens, dtype=lm.dtype,
                            device=device)
+        self.buffers = StepBuffers(device)
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
             entropy: int = 0) -> None:
         """`entropy`: seeds the draws of an unseeded sampling request."""
+        seed = params.seed if params.seed is not None else entropy
         self.seqs[seq_id] = EngineSeq(seq_id, list(prompt_ids),
-                                      TextState(params, self.eos_ids),
-                                      torch.Generator().manual_seed(entropy))
+                                      TextState(params, self.eos_ids), seed)
 
     def resume(self, seq_id: str, tokens: Sequence[int], sent_text: str) -> str | None:
         """Continue a sequence after the tokens a previous worker streamed (its next prefill
@@ -108,9 +110,11 @@ class GenerationEngine:
         return self.seqs[seq_id].text.resume(tokens, sent_text, self.decode)
 
     def drop(self, seq_id: str) -> EngineSeq | None:
+        """Forget a sequence; its text is complete (an unfinished character included)."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             self._forget(seq)
+            seq.text.flush(self.decode)
         return seq
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -124,33 +128,79 @@ class GenerationEngine:
         stream can carry a first token while the other prefills run."""
         for seq_id in plan.preempted:
             self._forget(self.seqs[seq_id])
-        output = StepOutput()
         decode = [w for w in plan.decode if w.start > 0]  # a 1-token prompt has no cache
-        for work in plan.prefill + [w for w in plan.decode if w.start == 0]:
-            seq = self.seqs[work.id]
-            logits = self._prefill(seq, work)
-            if work.emits:
-                output.deltas.append(self._sample(seq, logits))
-                if on_prefilled is not None:
-                    on_prefilled(output.deltas[-1])
+        alone = plan.prefill + [w for w in plan.decode if w.start == 0]
+        forwards = self._stage([[w] for w in alone] + ([decode] if decode else []))
         if decode:
-            rows = self._decode(decode)
-            output.deltas += self._sample_rows([self.seqs[i] for i in rows],
-                                               torch.stack(list(rows.values())))
+            forwards[-1].batched = True
+        output = StepOutput()
+        for number, forward in enumerate(forwards):
+            deltas = self._run(forward)
+            if on_prefilled is not None and number < len(alone):
+                for delta in deltas:
+                    on_prefilled(delta)
+            output.deltas += deltas
         return output
 
-    def _sample(self, seq: EngineSeq, logits: torch.Tensor) -> Delta:
-        state = seq.text
-        token = choose_token(logits, state.params, len(state.generated), seq.generator)
-        return self._append(seq, token)
+    def _stage(self, groups: Sequence[Sequence[Work]]) -> list[Forward]:
+        """Every forward's inputs, built on the host and copied to the device at once."""
+        forwards: list[Forward] = []
+        parts: list[Sequence[int] | torch.Tensor] = []
+        for works in groups:
+            forward = self._plan(works)
+            forwards.append(forward)
+            parts += [forward.ids, *forward.layout.host]
+            if forward.draws is not None and forward.draws.samples:
+                parts.append(forward.draws.packed())
+        views = iter(self.buffers.upload(parts))
+        for forward in forwards:
+            forward.device = [next(views)]
+            forward.layout.bind(next(views), next(views), next(views))
+            if forward.draws is not None and forward.draws.samples:
+                forward.device.append(next(views))
+        return forwards
 
-    def _sample_rows(self, seqs: Sequence[EngineSeq], logits: torch.Tensor) -> list[Delta]:
-        """One token for each row of a decode forward, chosen together (one argmax, one
-        copy of the chosen tokens to the host)."""
-        tokens = choose_tokens(logits, [s.text.params for s in seqs],
-                               [len(s.text.generated) for s in seqs],
-                               [s.generator for s in seqs])
-        return [self._append(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
+    def _plan(self, works: Sequence[Work]) -> Forward:
+        """One forward's rows: blocks reserved, slots laid out, ids left-padded."""
+        seqs = [self.seqs[w.id] for w in works]
+        for seq, work in zip(seqs, works, strict=True):
+            assert seq.cached == work.start, (seq.id, seq.cached, work.start)
+            self.pool.reserve(seq.blocks, work.end)
+            if work.end > len(seq.slots):  # only the new tokens' slots are worked out
+                seq.slots += self.pool.slot_list(seq.blocks, work.end, len(seq.slots))
+        layout = StepLayout(self.pool, [s.blocks for s in seqs], [w.start for w in works],
+                            [w.end for w in works], bind=False, slots=[s.slots for s in seqs])
+        ids: list[int] = []
+        for seq, work in zip(seqs, works, strict=True):
+            ids += [0] * (layout.queries - work.tokens) + seq.tokens(work.start, work.end)
+        draws = RowDraws.of([s.text.params for s in seqs], [s.seed for s in seqs],
+                            [len(s.text.generated) for s in seqs]) \
+            if any(w.emits for w in works) else None
+        return Forward(seqs, list(works), layout, ids, draws, batched=False)
+
+    def _run(self, forward: Forward) -> list[Delta]:
+        """The forward, then its rows' tokens chosen on the device, copied back at once."""
+        logits = self._forward(forward)
+        if forward.draws is None:
+            return []
+        packed = forward.device[1] if len(forward.device) > 1 else None
+        tokens: list[int] = choose_tokens(logits, forward.draws, packed).tolist()
+        return [self._append(seq, token) for seq, work, token
+                in zip(forward.seqs, forward.works, tokens, strict=True) if work.emits]
+
+    def _forward(self, forward: Forward) -> torch.Tensor:
+        """The logits of each row's last token [rows, vocab]."""
+        layout = forward.layout
+        with stepping(layout):
+            ids = forward.device[0].view(layout.rows, layout.queries)
+            out = self.lm(input_ids=ids, attention_mask=torch.ones_like(ids, dtype=torch.bool),
+                          use_cache=False, position_ids=layout.positions, logits_to_keep=1)
+        if layout.attended != len(self.pool.keys):  # a layer bypassed the pool: wrong tokens
+            raise RuntimeError(f"{layout.attended} of {len(self.pool.keys)} layers ran the "
+                               "engine's paged attention")
+        for seq, work in zip(forward.seqs, forward.works, strict=True):
+            seq.cached = work.end
+        return out.logits[:, -1]  # type: ignore[no-any-return]
 
     def _append(self, seq: EngineSeq, token: int) -> Delta:
         delta = seq.text.append(seq.id, token, self.decode)
@@ -160,35 +210,13 @@ class GenerationEngine:
 
     def _forget(self, seq: EngineSeq) -> None:
         self.pool.release(seq.blocks)
+        seq.slots.clear()
         seq.cached = 0
 
-    def _prefill(self, seq: EngineSeq, work: Work) -> torch.Tensor:
-        """One chunk alone, on top of the sequence's cache so far."""
-        assert seq.cached == work.start, (seq.id, seq.cached, work.start)
-        return self._forward([seq], [work])[0]
 
-    def _decode(self, works: Sequence[Work]) -> dict[str, torch.Tensor]:
-        """One token for each sequence, all in one forward."""
-        seqs = [self.seqs[w.id] for w in works]
-        return {s.id: row for s, row in zip(seqs, self._forward(seqs, works), strict=True)}
-
-    def _forward(self, seqs: Sequence[EngineSeq], works: Sequence[Work]) -> torch.Tensor:
-        """Feed each sequence its work's tokens (rows left-padded to the longest); the
-        logits of each row's last token."""
-        for seq, work in zip(seqs, works, strict=True):
-            self.pool.reserve(seq.blocks, work.end)
-        layout = StepLayout(self.pool, [s.blocks for s in seqs], [w.start for w in works],
-                            [w.end for w in works])
-        ids = torch.zeros(layout.rows, layout.queries, dtype=torch.long)
-        for row, (seq, work) in enumerate(zip(seqs, works, strict=True)):
-            ids[row, layout.queries - work.tokens:] = torch.tensor(
-                seq.tokens(work.start, work.end))
-        with stepping(layout):
-            out = self.lm(input_ids=ids.to(self.device), use_cache=False,
-                          position_ids=layout.positions, logits_to_keep=1)
-        if layout.attended != len(self.pool.keys):  # a layer bypassed the pool: wrong tokens
-            raise RuntimeError(f"{layout.attended} of {len(self.pool.keys)} layers ran the "
-                               "engine's paged attention")
-        for seq, work in zip(seqs, works, strict=True):
-            seq.cached = work.end
-        return out.logits[:, -1]
+def engine_for(model: CausalLM) -> GenerationEngine:
+    """A loaded causal LM's engine, its KV pool sized to the scheduler's budget (and one
+    more block per sequence for the partly filled last ones)."""
+    limits = model.scheduler_limits()
+    return GenerationEngine(model.lm, model.tokenizer, model.device, model.eos_ids,
+                            kv_tokens=limits.kv_tokens + limits.max_seqs * BLOCK_TOKENS)

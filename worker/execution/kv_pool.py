@@ -64,6 +64,11 @@ class KVPool:
             heapq.heappush(self._free, block)
         table.clear()
 
+    def slot_list(self, table: Sequence[int], end: int, start: int = 0) -> list[int]:
+        """The slots of tokens [start, end) of a block table, on the host."""
+        return [table[i // BLOCK_TOKENS] * BLOCK_TOKENS + i % BLOCK_TOKENS
+                for i in range(start, end)]
+
     def slots(self, table: Sequence[int], end: int) -> torch.Tensor:
         """The slots of tokens [0, end) of a block table."""
         blocks = torch.tensor(table[:-(-end // BLOCK_TOKENS)], dtype=torch.long)
@@ -77,28 +82,43 @@ class StepLayout:
     """Where one forward's tokens go and what each row attends to: rows of `queries`
     new tokens each (left-padded to the longest), row r's new tokens at positions
     [starts[r], ends[r]) and its history (every token up to ends[r]) at
-    history[offsets[r]:offsets[r] + ends[r]]."""
+    history[offsets[r]:offsets[r] + ends[r]].
+
+    Built on the host as lists (`host`: write, history, positions); the engine copies them
+    to the device with the rest of its step (execution/step_buffers.py) and `bind`s the
+    device views; `bind=True` copies them here instead (tests, tools)."""
 
     def __init__(self, pool: KVPool, tables: Sequence[Sequence[int]], starts: Sequence[int],
-                 ends: Sequence[int]) -> None:
+                 ends: Sequence[int], bind: bool = True,
+                 slots: Sequence[list[int]] | None = None) -> None:
+        """`slots`: each row's slots of tokens [0, end) if the caller keeps them (the
+        engine does, extended as a sequence grows), else they are computed here."""
         self.pool, self.tables = pool, [list(t) for t in tables]
         self.starts, self.ends = list(starts), list(ends)
         queries = max(e - s for s, e in zip(starts, ends, strict=True))
         self.rows, self.queries, self.length = len(ends), queries, max(ends)
         self.attended = 0  # layers whose attention used this layout (paged_attention.py)
-        write = torch.full((len(ends), queries), TRASH_SLOT, dtype=torch.long)
-        slots = [pool.slots(t, e) for t, e in zip(tables, ends, strict=True)]
-        for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
-            write[row, queries - (end - start):] = slots[row][start:]
-        self.write = write.flatten().to(pool.device)
-        self.history = torch.cat(slots).to(pool.device)  # no padding between rows
         self.offsets = [sum(self.ends[:row]) for row in range(self.rows)]
-        ends_t = torch.tensor(ends, dtype=torch.long)
-        # the position of each query: padded queries repeat their row's first real one
-        back = torch.arange(queries - 1, -1, -1, dtype=torch.long)
-        lens = torch.tensor([e - s for s, e in zip(starts, ends, strict=True)])
-        self.positions = (ends_t[:, None] - 1 - torch.minimum(back[None], lens[:, None] - 1)
-                          ).to(pool.device)
+        write: list[int] = []
+        history: list[int] = []
+        positions: list[int] = []
+        for row, (table, start, end) in enumerate(zip(tables, starts, ends, strict=True)):
+            own = pool.slot_list(table, end) if slots is None else slots[row]
+            own = own if len(own) == end else own[:end]
+            pad = queries - (end - start)  # padded queries write to the trash block and
+            write += [TRASH_SLOT] * pad + own[start:]  # repeat their row's first position
+            history += own
+            positions += [start] * pad + list(range(start, end))
+        self.host = (write, history, positions)
+        if bind:
+            self.bind(*(torch.tensor(part, dtype=torch.long).to(pool.device)
+                        for part in self.host))
+
+    def bind(self, write: torch.Tensor, history: torch.Tensor,
+             positions: torch.Tensor) -> None:
+        """The layout's tensors on the device (flat, as `host` holds them)."""
+        self.write, self.history = write, history
+        self.positions = positions.view(self.rows, self.queries)
 
     @cached_property
     def read(self) -> torch.Tensor:

@@ -17,6 +17,9 @@ layer that attends counts itself on the layout, and the engine checks that all o
 
 Outside the engine's forward (e.g. `generate()` on the same model) the call goes to
 transformers' own `sdpa`, and the mask the model builds is sdpa's: it behaves as before.
+In the engine's forward the model builds no mask: the engine passes an all-ones 2D
+`attention_mask` (so transformers does not look for packed sequences in the positions, a
+device sync) and the registered mask builder returns None while a layout is set.
 
 Each row is its own SDPA call over a view of one unpadded gather of the step's rows, so no
 row is padded to the longest one; a prefill chunk on top of a cache gets an explicit
@@ -50,12 +53,19 @@ def stepping(layout: StepLayout) -> Iterator[StepLayout]:
 
 
 def register() -> None:
-    """Register the function, and sdpa's mask builder under the same name (what
-    `generate()` on a converted model needs); idempotent."""
+    """Register the function, and a mask builder under the same name: sdpa's (what
+    `generate()` on a converted model needs), but none in the engine's forward; idempotent."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(NAME, paged_attention)
-    AttentionMaskInterface.register(NAME, AttentionMaskInterface()["sdpa"])
+    sdpa_mask = AttentionMaskInterface()["sdpa"]
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        """No mask in the engine's forward (the layout says what each row sees): building
+        one costs a forward dozens of kernels and, on sdpa's checks, a device sync."""
+        return None if _STEP.get() is not None else sdpa_mask(*args, **kwargs)
+
+    AttentionMaskInterface.register(NAME, mask)
 
 
 def use_paged_attention(lm: Any) -> None:

@@ -1,152 +1,148 @@
-"""Choosing the next token, and turning generated tokens into streamed text.
+"""Choosing the next token of every row of a forward at once, on the logits' device.
 
-Greedy when `temperature` is 0; otherwise temperature, top-k and top-p (nucleus) filtering
-and a draw from the sequence's own random numbers: with a `seed`, the draw for its n-th token
-comes from a torch.Generator seeded by (seed, n), so the output does not depend on which
-other sequences share the batch, or on preemptions.
+Greedy when a row's `temperature` is 0; otherwise temperature, top-k and top-p (nucleus)
+filtering and a Gumbel-max draw: argmax(logits / temperature + g), g = -log(-log(u)). The
+uniforms u come from a counter-based hash of the row's key and the token id, in tensor ops
+(no torch.Generator, which cannot be batched), and a row's key comes from (seed, index of
+the token it draws): the draws of a seeded request do not depend on which other requests
+share the batch, nor on preemptions or on a resume by another worker. An unseeded request
+is seeded by its entropy (GenerationEngine.add).
+
+Everything but the (seed, index) -> key mixing runs in tensor ops over the whole batch: when
+a row filters, one top-k of the largest top-k (a sort when a row has top-p alone), no
+per-row host copy, the chosen tokens are the only result. EOS is not looked for here: the
+host sees each chosen token anyway (detokenize.py's TextState stops on it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-MAX_STOP_STRINGS = 4
-_SEED_MIX = 1_000_003
+from worker.models.generation_params import SamplingParams
+
+_M64 = (1 << 64) - 1
+_M32 = 0xFFFFFFFF
+INPUTS_PER_ROW = 4  # temperature and top_p (float64 bits), top_k, key
+
+
+def splitmix64(x: int) -> int:
+    """A 64-bit mixer (Steele et al.'s SplitMix64 finaliser), on host integers."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def draw_key(seed: int, index: int) -> int:
+    """The key of the draw of a sequence's `index`-th token, as a signed int64."""
+    key = splitmix64(splitmix64(seed & _M64) ^ index)
+    return key - (1 << 64) if key >= 1 << 63 else key
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+class RowDraws:
+    """What the sampler needs of a forward's rows, decided on the host."""
+
+    temperature: list[float]
+    top_p: list[float]
+    top_k: list[int]
+    keys: list[int]
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
+           indices: Sequence[int]) -> RowDraws:
+        return cls([p.temperature for p in params], [p.top_p for p in params],
+                   [p.top_k for p in params],
+                   [draw_key(s, i) for s, i in zip(seeds, indices, strict=True)])
+
+    @property
+    def samples(self) -> bool:
+        """Whether any row draws (else the step is one argmax)."""
+        return any(t != 0 for t in self.temperature)
+
+    @property
+    def filters(self) -> bool:
+        """Whether any drawing row has top-k or top-p (else no sort is needed)."""
+        return any(t != 0 and (k > 0 or p < 1.0)
+                   for t, k, p in zip(self.temperature, self.top_k, self.top_p, strict=True))
+
+    def candidates(self, vocab: int) -> int:
+        """How many of the best tokens the drawing rows can keep: the largest top-k, or
+        the whole vocabulary if one draws without a top-k."""
+        return max((min(k, vocab) if k > 0 else vocab
+                    for t, k in zip(self.temperature, self.top_k, strict=True) if t != 0),
+                   default=vocab)
+
+    def packed(self) -> torch.Tensor:
+        """[INPUTS_PER_ROW x rows] int64: the floats by their bits (one copy for all)."""
+        floats = torch.tensor(self.temperature + self.top_p, dtype=torch.float64)
+        return torch.cat([floats.view(torch.int64), torch.tensor(self.top_k + self.keys)])
 
 
-def generator_for(seed: int, index: int) -> torch.Generator:
-    """The random numbers of a seeded sequence's `index`-th token."""
-    return torch.Generator().manual_seed((seed * _SEED_MIX + index) % (1 << 63))
+def choose_tokens(logits: torch.Tensor, draws: RowDraws,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """The next token of each row of logits [rows, vocab], on their device ([rows], long).
+    `packed`: draws.packed() already on the device (else it is copied here)."""
+    greedy = torch.argmax(logits, dim=-1)
+    if not draws.samples:
+        return greedy
+    if packed is None:
+        packed = draws.packed().to(logits.device)
+    rows = logits.shape[0]
+    temperature = packed[:rows].view(torch.float64)
+    top_p = packed[rows:2 * rows].view(torch.float64)
+    top_k, keys = packed[2 * rows:3 * rows], packed[3 * rows:4 * rows]
+    scores = logits.float()
+    # Shifted so the best score is 0 before the division, and the temperature kept above 0
+    # in float32 (1e-300 is not): however small, no score becomes NaN (0 / tiny is 0).
+    divisor = temperature.float().clamp_min(torch.finfo(torch.float32).tiny)
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / divisor[:, None]
+    if draws.filters:
+        drawn = _filtered_draw(scores, top_k, top_p, keys, draws.candidates(scores.shape[-1]))
+    else:
+        ids = torch.arange(scores.shape[-1], device=scores.device)[None]
+        drawn = torch.argmax(scores + gumbel(keys, ids), dim=-1)
+    return torch.where(temperature > 0, drawn, greedy)
 
 
-def choose_token(logits: torch.Tensor, params: SamplingParams, index: int,
-                 own: torch.Generator | None = None) -> int:
-    """The next token from one row of logits (vocab,)."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    return _draw(logits.cpu(), params, index, own)
+def _filtered_draw(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   keys: torch.Tensor, width: int) -> torch.Tensor:
+    """The draw among each row's top k (the best `width` of all rows are sorted, not the
+    whole vocabulary), then within its nucleus top_p of what top-k kept; a row always
+    keeps its best token. The nucleus comes from a prefix sum (no softmax over the width):
+    a row's tokens and draw do not depend on the other rows' width."""
+    vocab = scores.shape[-1]
+    ordered, order = torch.topk(scores, width, dim=-1) if width < vocab else \
+        torch.sort(scores, dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, vocab).clamp_max(width)
+    keep = torch.arange(width, device=scores.device)[None] < k[:, None]
+    mass = torch.exp(ordered).masked_fill(~keep, 0.0)  # the best score is 0: no overflow
+    before = torch.cumsum(mass, dim=-1)
+    total = before.gather(1, (k - 1)[:, None])
+    keep &= ((before - mass) <= top_p[:, None] * total) | (top_p >= 1.0)[:, None]
+    noisy = ordered.masked_fill(~keep, float("-inf")) + gumbel(keys, order)
+    return order.gather(1, torch.argmax(noisy, dim=-1, keepdim=True))[:, 0]
 
 
-def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  indices: Sequence[int], own: Sequence[torch.Generator | None]) -> list[int]:
-    """The next token of each row of logits (rows, vocab), as choose_token would choose it,
-    with one argmax for every row and one device-to-host copy (two if a row samples)."""
-    tokens: list[int] = torch.argmax(logits, dim=-1).tolist()  # why: one copy, not one a row
-    drawn = [row for row, p in enumerate(params) if p.temperature != 0]
-    if drawn:
-        host = logits.cpu()  # the draws run on the host, in float64, as choose_token's do
-        for row in drawn:
-            tokens[row] = _draw(host[row], params[row], indices[row], own[row])
-    return tokens
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Thomas Mueller's) on int64 tensors holding 32-bit values; its
+    multiplier is below 2^27, so no product overflows int64: exact on every device."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, index: int,
-          own: torch.Generator | None) -> int:
-    """A draw from one row of host logits under temperature, top-k and top-p."""
-    scores = logits.double()  # float64: a temperature of 1e-300 is not rounded to 0
-    # Shifted so the best score is 0 before the division: softmax is unchanged, and however
-    # small the temperature, no score overflows to inf (inf - inf would be NaN).
-    scores = (scores - scores.max()) / params.temperature
-    if 0 < params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        beyond = torch.cumsum(probs, dim=-1) - probs > params.top_p  # keeps at least one
-        scores = scores.index_fill(0, order[beyond], float("-inf"))
-    generator = generator_for(params.seed, index) if params.seed is not None else own
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def uniforms(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 in (0, 1), one per token id of `ids` ([rows, n] or [1, n]): a hash of the
+    row's key and the token id, so a token's number is the same wherever it sits."""
+    low, high = keys & _M32, (keys >> 32) & _M32
+    mixed = _mix32(_mix32(ids ^ high[:, None]) ^ low[:, None])
+    return ((mixed >> 8).float() + 0.5) * 2.0 ** -24
 
 
-@dataclass(slots=True)
-class Delta:
-    """What one step added to a sequence's answer: text and the tokens behind it."""
-
-    id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
-
-
-@dataclass(slots=True)
-class TextState:
-    """The generated tokens of one sequence and the part of their text already streamed.
-
-    Text that could still turn out to be the start of a stop string, or an incomplete
-    UTF-8 character, is held back until it is settled, so no streamed text is ever taken
-    back."""
-
-    params: SamplingParams
-    eos_ids: frozenset[int]
-    generated: list[int] = field(default_factory=list)
-    text: str = ""
-    sent_chars: int = 0
-    sent_tokens: int = 0
-
-    def append(self, seq_id: str, token: int, decode: Callable[[Sequence[int]], str]) -> Delta:
-        self.generated.append(token)
-        reason = None
-        if token in self.eos_ids:
-            reason = "stop"
-        else:
-            self.text = decode(self.generated)
-            cut = self._stop_at()
-            if cut is not None:
-                self.text, reason = self.text[:cut], "stop"
-        if reason is None and len(self.generated) >= self.params.max_new_tokens:
-            reason = "length"
-        visible = len(self.text) if reason else len(self.text) - self._held_back()
-        delta = Delta(seq_id, self.text[self.sent_chars:visible],
-                      self.generated[self.sent_tokens:], reason)
-        if delta.text or reason:
-            self.sent_chars, self.sent_tokens = max(visible, self.sent_chars), len(self.generated)
-        else:
-            delta.token_ids = []
-        return delta
-
-    def resume(self, tokens: Sequence[int], sent_text: str,
-               decode: Callable[[Sequence[int]], str]) -> str | None:
-        """Continue after `tokens` whose text `sent_text` was streamed already (a request
-        taken over after a crash); returns the finish reason if they had ended it."""
-        self.generated, self.sent_tokens = list(tokens), len(tokens)
-        self.text, self.sent_chars = decode(self.generated), len(sent_text)
-        if tokens and tokens[-1] in self.eos_ids:
-            return "stop"
-        cut = self._stop_at()
-        if cut is not None:
-            self.text = self.text[:cut]
-            return "stop"
-        return "length" if len(tokens) >= self.params.max_new_tokens else None
-
-    def _stop_at(self) -> int | None:
-        """Where the first stop string starts in the text, if one is there."""
-        found = [i for i in (self.text.find(s, max(0, self.sent_chars - len(s)))
-                             for s in self.params.stop) if i >= 0]
-        return min(found) if found else None
-
-    def _held_back(self) -> int:
-        """The characters at the end that may still change: a partial UTF-8 character, or
-        the longest tail that is a prefix of a stop string."""
-        text = self.text
-        held = len(text) - len(text.rstrip("\ufffd"))
-        for stop in self.params.stop:
-            for size in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:size]):
-                    held = max(held, size)
-                    break
-        return held
+def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise of each row's key, one per token id of `ids`."""
+    return -torch.log(-torch.log(uniforms(keys, ids)))

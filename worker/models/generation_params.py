@@ -13,11 +13,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from worker.execution.sampling import MAX_STOP_STRINGS, SamplingParams
 from worker.models.base import InvalidInput
 
 SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
         "{\"role\": <string>, \"content\": <string>})"
+MAX_STOP_STRINGS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request chooses its tokens (execution/sampling.py draws them)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

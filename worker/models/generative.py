@@ -1,5 +1,6 @@
 """`causal_lm`: any Hugging Face causal language model from a local path, served by
-continuous batching (pipeline/generate.py) instead of collate/forward/postprocess.
+continuous batching (pipeline/generate.py, its engine built by
+execution/generation.py's `engine_for`) instead of collate/forward/postprocess.
 
 model_options: `path` (a from_pretrained directory), `gguf_file` (a GGUF file in it),
 `max_new_tokens` (default per request, 128), `max_new_tokens_limit` (1024), and the
@@ -7,7 +8,9 @@ scheduler's knobs (policy/decoding.py): `max_step_tokens` (512), `max_seqs` (16)
 `kv_cache_bytes` (256 MiB of KV cache), `max_wait_steps` (32), `prefill_first` (true: a
 step that can admit new requests prefills only them, so their first token does not wait for
 every running sequence's decode) and `prefill_streak` (1: the most such steps in a row).
-Nothing is downloaded.
+The weights and the KV pool are in the `dtype` setting's dtype (auto: bfloat16 on CUDA >=
+8.0, float32 on a CPU), and the KV budget counts that dtype's bytes per element. Nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ from typing import Any
 
 import torch
 
-from worker.execution.generation import GenerationEngine, kv_bytes_per_token
-from worker.execution.kv_pool import BLOCK_TOKENS
 from worker.models import weights_cache
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.generation_params import (
@@ -41,6 +42,24 @@ def context_window(config: Any) -> int:
         if getattr(text, name, None):
             return int(getattr(text, name))
     raise ValueError("the model's config names no context window")
+
+
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a causal LM's config."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
+        else config
+    layers = getattr(text, "num_hidden_layers", None) or text.n_layer
+    heads = getattr(text, "num_attention_heads", None) or text.n_head
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None) or text.n_embd
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    return layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """2 (keys and values) x layers x KV heads x head dim x bytes per element."""
+    layers, kv_heads, head_dim = kv_shape(config)
+    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 class CausalLM(Model):
@@ -64,8 +83,8 @@ class CausalLM(Model):
     def load(self, device: torch.device) -> None:
         tokenizer, lm = self._pretrained()
         self.tokenizer = tokenizer
-        self.lm = lm.to(device).eval()
-        self.dtype = self.lm.dtype  # the weights' own (the `dtype` setting is for encoders)
+        # in the `dtype` setting's dtype, and so is the KV pool
+        self.lm = lm.to(device=device, dtype=self.dtype).eval()
         self.device = device
         self.context = context_window(self.lm.config)
         self.longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
@@ -80,7 +99,7 @@ class CausalLM(Model):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         def from_path(path: Path, gguf: dict[str, Any]) -> tuple[Any, Any]:
-            weights = {"dtype": GGUF_DTYPE} if self.gguf_file else {}
+            weights = {"dtype": GGUF_DTYPE if self.gguf_file else self.dtype}
             return (AutoTokenizer.from_pretrained(path, **gguf),
                     AutoModelForCausalLM.from_pretrained(path, **gguf, **weights))
 
@@ -90,13 +109,6 @@ class CausalLM(Model):
         return weights_cache.load_or_convert(
             self.cache_dir, Path(self.path) / self.gguf_file, "float32",
             lambda: from_path(Path(self.path), gguf), lambda entry: from_path(entry, {}))
-
-    def engine(self) -> GenerationEngine:
-        """The engine, its KV pool sized to the scheduler's budget (and one more block per
-        sequence for the partly filled last ones)."""
-        limits = self.scheduler_limits()
-        return GenerationEngine(self.lm, self.tokenizer, self.device, self.eos_ids,
-                                kv_tokens=limits.kv_tokens + limits.max_seqs * BLOCK_TOKENS)
 
     def limit_kv_cache(self, budget_bytes: int) -> None:
         """Lower the KV budget (the memory governor's watermark, app.generation_parts)."""

@@ -26,8 +26,8 @@ import structlog
 
 from producer import protocol
 from producer.protocol import ErrorCode
+from worker.execution.detokenize import Delta
 from worker.execution.generation import GenerationEngine
-from worker.execution.sampling import Delta
 from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
 from worker.pipeline import ports

@@ -22,8 +22,9 @@ from producer import protocol
 from tests.redis.single.test_generation_e2e import generated_text, send, stream_key
 from tests.rigs.chaos import WorkerProcess, heaviest_on_redis_7_only, wait_until
 from tests.rigs.tiny_lm import build_tiny_lm
+from worker.execution.detokenize import TextState
 from worker.execution.generation import GenerationEngine
-from worker.execution.sampling import SamplingParams, TextState
+from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
 from worker.streams.token_streams import Chunk, FinalChunk, TokenStreams, progress_of
 

@@ -1,0 +1,128 @@
+"""Turning a sequence's generated tokens into streamed text, one token at a time.
+
+Incremental, as vLLM's and TGI's detokenisers are: each new token decodes only a short
+window, the tokens from `prefix` (a few already-read ones, for context such as a leading
+space) to the end, and its text beyond what the window's first part, up to `read`, decoded
+to is new. While the window's text ends in an incomplete UTF-8 character ("\\ufffd") the
+token is left unread until the next one completes it; when the sequence finishes, whatever
+is unread is flushed as it decodes. So a step costs a few tokens' decode however long the
+answer already is, and the text is the one a decode of every token gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from worker.models.generation_params import SamplingParams
+
+Decode = Callable[[Sequence[int]], str]
+CONTEXT_TOKENS = 5  # already-read tokens decoded with the new ones (vLLM's window)
+REPLACEMENT = "\ufffd"  # what a decode gives for an incomplete UTF-8 character
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one step added to a sequence's answer: text and the tokens behind it."""
+
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+
+
+@dataclass(slots=True)
+class TextState:
+    """The generated tokens of one sequence and the part of their text already streamed.
+
+    Text that could still turn out to be the start of a stop string, or an incomplete
+    UTF-8 character, is held back until it is settled, so no streamed text is ever taken
+    back."""
+
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    prefix: int = 0  # the decode window's start (tokens)
+    read: int = 0  # tokens whose text is in `text`
+
+    def append(self, seq_id: str, token: int, decode: Decode) -> Delta:
+        self.generated.append(token)
+        reason = None
+        if token in self.eos_ids:
+            reason = "stop"
+            self.flush(decode, len(self.generated) - 1)  # the EOS token's own text is not
+        else:
+            self._read(decode, len(self.generated),
+                       flush=len(self.generated) >= self.params.max_new_tokens)
+            cut = self._stop_at()
+            if cut is not None:
+                self.text, reason = self.text[:cut], "stop"
+        if reason is None and len(self.generated) >= self.params.max_new_tokens:
+            reason = "length"
+        visible = len(self.text) if reason else len(self.text) - self._held_back()
+        delta = Delta(seq_id, self.text[self.sent_chars:visible],
+                      self.generated[self.sent_tokens:], reason)
+        if delta.text or reason:
+            self.sent_chars, self.sent_tokens = max(visible, self.sent_chars), len(self.generated)
+        else:
+            delta.token_ids = []
+        return delta
+
+    def flush(self, decode: Decode, end: int | None = None) -> None:
+        """Add the text of every unread token (up to `end`) as it decodes, an incomplete
+        character included: the sequence ends (finished, cancelled or stopped)."""
+        self._read(decode, len(self.generated) if end is None else end, flush=True)
+
+    def _read(self, decode: Decode, end: int, flush: bool = False) -> None:
+        """Add the text of the unread tokens up to `end`, unless it ends in an incomplete
+        character and this is not a flush."""
+        if end <= self.read:
+            return
+        window = decode(self.generated[self.prefix:end])
+        known = decode(self.generated[self.prefix:self.read]) if self.read > self.prefix \
+            else ""
+        if len(window) > len(known) and (flush or not window.endswith(REPLACEMENT)):
+            self.text += window[len(known):]
+            self.prefix = max(self.prefix, self.read - CONTEXT_TOKENS)
+            self.read = end
+
+    def resume(self, tokens: Sequence[int], sent_text: str, decode: Decode) -> str | None:
+        """Continue after `tokens` whose text `sent_text` was streamed already (a request
+        taken over after a crash); returns the finish reason if they had ended it."""
+        self.generated, self.sent_tokens = list(tokens), len(tokens)
+        self.text, self.sent_chars = decode(self.generated), len(sent_text)
+        self.read = len(tokens)
+        if tokens and tokens[-1] in self.eos_ids:
+            return "stop"
+        cut = self._stop_at()
+        if cut is not None:
+            self.text = self.text[:cut]
+            return "stop"
+        if len(tokens) >= self.params.max_new_tokens:
+            return "length"
+        while self.read and self.text.endswith(REPLACEMENT):  # left unread, as by append
+            self.read -= 1
+            self.text = decode(self.generated[:self.read])
+        self.prefix = max(0, self.read - CONTEXT_TOKENS)
+        return None
+
+    def _stop_at(self) -> int | None:
+        """Where the first stop string starts in the text, if one is there."""
+        found = [i for i in (self.text.find(s, max(0, self.sent_chars - len(s)))
+                             for s in self.params.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _held_back(self) -> int:
+        """The characters at the end that may still change: the longest tail that is a
+        prefix of a stop string (an incomplete character is not in the text yet)."""
+        text = self.text
+        held = 0
+        for stop in self.params.stop:
+            for size in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:size]):
+                    held = max(held, size)
+                    break
+        return held
