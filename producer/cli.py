@@ -25,7 +25,7 @@ import redis
 from tqdm import tqdm
 
 from producer import protocol
-from producer.batch import BacklogFull, Item, RunSummary, Window, run_requests
+from producer.batch import BacklogFull, Item, RunSummary, Window
 from producer.batch_input import InputError, check_input, open_input, read_lines, request_payload
 from producer.client import Client
 from producer.connection import ConnectionSettingsError, redacted
@@ -34,7 +34,6 @@ from producer.local_redis import local_url
 from producer.models import LiveModel, live_models
 from producer.request_base import DEFAULT_URL, new_request_id
 
-__all__ = ["InputError", "RunSummary", "main", "run_requests"]
 WORKER_POLL_S = 0.2
 
 

@@ -40,7 +40,6 @@ STATS_HELPS = {"redis_url": (
     "the Redis to read: redis://, rediss:// (TLS), redis+sentinel://host:port[,...]/service"
     "[/db] or rediss+sentinel://; none: the embedded Redis of a worker running in this "
     "directory (<data_dir>/redis.url). stats never starts one")}
-__all__ = ["build_parser", "main", "positive", "setting_overrides"]
 
 
 def add_command(commands: Any, name: str, help: str,

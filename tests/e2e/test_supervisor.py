@@ -60,7 +60,8 @@ def test_children_get_their_slot_names_devices_and_every_setting(
     assert (first.consumer, first.device, second.consumer, second.device) == (
         "host-1-0", "cuda:0", "host-1-1", "cuda:1")
     assert first.metrics_port == 0 and first.processes == 1 and first.devices == ""
-    from worker.cli import build_parser, setting_overrides
+    from worker.cli import build_parser
+    from worker.cli_flags import setting_overrides
 
     args = build_parser().parse_args(["run", *settings_flags(first)])
     for name, value in secret_environment(first).items():  # redis_url, by environment

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.models.encoder import EncoderModel, Sentence, SentenceEncoder, sentence_of
+from worker.models.encoder import EncoderModel
 
 MAX_SEQ_LENGTH = 256
 FILLER_TOKEN_ID = 2023  # "this": the word piece encoder.filler_ids picks in MiniLM's vocabulary
@@ -33,6 +33,3 @@ class MiniLMModel(EncoderModel):
         super().__init__(str(path or bundled_model_path()), pooling="mean", normalize=True,
                          max_seq_length=max_seq_length, trace=trace)
 
-
-__all__ = ["FILLER_TOKEN_ID", "MAX_SEQ_LENGTH", "MiniLMModel", "Sentence", "SentenceEncoder",
-           "bundled_model_path", "sentence_of"]

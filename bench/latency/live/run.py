@@ -44,7 +44,7 @@ from bench.latency.live.metrics import MetricSampling, per_window
 from bench.latency.live.open_loop import open_loop_ids, summarise
 from bench.latency.sim.goals import two_peaks
 from bench.latency.sim.simulate import Phase
-from worker.cli import positive
+from worker.cli_flags import positive
 from worker.execution.cores import available_cores
 from worker.streams.server import RedisServer
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.rigs.paths import REPO_ROOT
-from worker.cli import build_parser, setting_overrides
+from worker.cli import build_parser
+from worker.cli_flags import setting_overrides
 from worker.models import create_model
 from worker.setting_groups import GROUP_NAMES, GROUPS
 from worker.setting_sources import INHERITED
