@@ -61,6 +61,21 @@ def default_model() -> str:
         "REDBATCH_MODEL", "minilm").rpartition(":")[2].lower()
 
 
+def sources(argv: list[str], has_local_url: bool) -> dict[str, str]:
+    """Where --model and --redis-url came from, for messages that name them: the flag, the
+    environment, a local worker's .redbatch/redis.url, or the default."""
+    given = {arg.split("=")[0] for arg in argv}
+    env = os.environ
+    model = ("--model (flag)" if "--model" in given else
+             "REDBATCH_MODEL_NAME (environment)" if env.get("REDBATCH_MODEL_NAME") else
+             "REDBATCH_MODEL (environment)" if env.get("REDBATCH_MODEL") else "the default")
+    url = ("--redis-url (flag)" if "--redis-url" in given else
+           "REDBATCH_REDIS_URL (environment)" if env.get("REDBATCH_REDIS_URL") else
+           ".redbatch/redis.url (a local worker's embedded Redis)" if has_local_url else
+           "the default")
+    return {"model": model, "url": url}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__,
                                      usage=USAGE, epilog=COMMANDS_EPILOG,
@@ -172,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(argv[1:])
     args = build_parser().parse_args(argv)
+    args.sources = sources(argv, local_url() is not None)
     if args.window < 1:
         print("producer: --window must be at least 1", file=sys.stderr)
         return 2
@@ -197,14 +213,16 @@ def send(args: argparse.Namespace, handle: IO[str], count: int) -> int:
     try:
         found = find_worker(client, args.model, args.wait_for_worker)
         if isinstance(found, str):
-            print(f"producer: {found}", file=sys.stderr)
+            print(f"producer: {found} [--model from {args.sources['model']}; Redis "
+                  f"{redacted(args.redis_url)} from {args.sources['url']}]", file=sys.stderr)
             return 2
         summary = run(client, args, handle, count, bool(found.generative))
     except (Overloaded, BacklogFull) as exc:
         print(f"producer: overloaded: {exc}", file=sys.stderr)
         return 3
     except redis.RedisError as exc:
-        print(f"producer: Redis error at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
+        print(f"producer: Redis error at {redacted(args.redis_url)}: {exc} [--redis-url from "
+              f"{args.sources['url']}]", file=sys.stderr)
         return 2
     print(summary.describe(), file=sys.stderr)
     return 1 if summary.failed else 0

@@ -44,7 +44,8 @@ def test_no_live_worker_is_one_line_naming_the_live_models(
         done = produce("--redis-url", redis_url, "--model", "smollm", stdin="hello\n")
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == ("producer: no live worker serves model 'smollm'; models with a "
-                           "live worker: echo (embedding)\n")
+                           "live worker: echo (embedding) [--model from --model (flag); Redis "
+                           f"{redis_url} from --redis-url (flag)]\n")
     assert not r.exists("redbatch:requests:smollm")
 
 

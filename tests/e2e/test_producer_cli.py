@@ -19,11 +19,13 @@ from worker.streams.server import free_port
 ROOT = REPO_ROOT
 
 
-def produce(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+def produce(*args: str, stdin: str = "",
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m producer` with no REDBATCH_* variable but those of `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
     return subprocess.run([sys.executable, "-m", "producer", "--no-progress", *args],
                           input=stdin, capture_output=True, text=True, cwd=ROOT,
-                          env={**env, "PYTHONPATH": str(ROOT)}, timeout=60)
+                          env={**clean, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=60)
 
 
 def results(stdout: str) -> list[dict[str, Any]]:
@@ -95,6 +97,19 @@ def test_unreachable_redis_is_one_clear_line() -> None:
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"producer: Redis error at {url}: ")
+    assert line.endswith("[--redis-url from --redis-url (flag)]")
+
+
+def test_a_message_names_where_the_model_and_the_redis_came_from(
+        redis_url: str, worker_factory: Callable[..., Any]) -> None:
+    """No flags: the model from the environment, the URL from the environment."""
+    with worker_factory(model="echo"):
+        done = produce(stdin="hello\n", env={"REDBATCH_REDIS_URL": redis_url,
+                                            "REDBATCH_MODEL": "nope"})
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith(
+        f"[--model from REDBATCH_MODEL (environment); Redis {redis_url} from "
+        "REDBATCH_REDIS_URL (environment)]")
 
 
 def test_help_lists_serve_and_each_default() -> None:
