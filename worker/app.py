@@ -86,7 +86,8 @@ def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False,
     except connection.ConnectionSettingsError as exc:
         raise StartupError(str(exc)) from None
     except redis.RedisError as exc:  # a cluster client connects at once
-        raise StartupError(f"cannot reach Redis at {connection.redacted(url)}: {exc}") from None
+        raise StartupError(f"cannot reach Redis at {connection.redacted(url)}: {exc}",
+                           ("redis_url",)) from None
     for attempt in range(attempts):
         try:
             client.ping()
@@ -94,7 +95,7 @@ def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False,
         except redis.RedisError as exc:
             if attempt == attempts - 1:
                 raise StartupError(f"cannot reach Redis at {connection.redacted(url)}: "
-                                   f"{exc}") from None
+                                   f"{exc}", ("redis_url",)) from None
             time.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
 

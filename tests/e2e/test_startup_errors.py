@@ -63,6 +63,9 @@ CASES = {
                              "bad model_options for 'minilm': trace must be true, false or null"),
     "unreachable Redis": Case(["--redis-url", "redis://127.0.0.1:{port}/0"],
                               "cannot reach Redis at redis://127.0.0.1:{port}/0"),
+    "unreachable Redis from the environment": Case(
+        [], "[REDBATCH_REDIS_URL (environment)]",
+        {"REDBATCH_REDIS_URL": "redis://127.0.0.1:{port}/0"}),
 }
 
 
@@ -85,7 +88,8 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     processes = {
         name: subprocess.Popen(
             [sys.executable, "-m", "worker", *(a.format(**fill) for a in case.args), *common],
-            cwd=ROOT, env={**base_env, **(case.env or {})}, text=True,
+            cwd=ROOT, text=True,
+            env={**base_env, **{k: v.format(**fill) for k, v in (case.env or {}).items()}},
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         for name, case in CASES.items()}
     results = {}
