@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from producer import Client
-from tests.redis.sentinel.test_failover import Outcome, collect, submit_until_accepted
+from tests.redis.sentinel.test_failover import Outcome, collect, settle, submit_until_accepted
 from tests.rigs.cluster import ClusterRig, cluster_rig, cluster_worker
 from tests.rigs.servers import RedisNode
 
@@ -79,12 +79,7 @@ def under_load(rig: ClusterRig, inject: Callable[[], None], promoted: Callable[[
         threading.Thread(target=wait_promoted, args=(promoted, run.promoted_at),
                          daemon=True).start()
         feeder.join(60)
-        settle_until = time.monotonic() + SETTLE_S
-        while outcome.lost and time.monotonic() < settle_until:
-            time.sleep(0.1)
-        time.sleep(0.5)  # a late second reply would show up now
-        stop.set()
-        collector.join(5)
+        settle(outcome, stop, collector, SETTLE_S)
     return run
 
 

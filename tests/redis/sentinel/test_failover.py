@@ -65,6 +65,18 @@ class Outcome:
                 f"{self.recovery_s():.2f} s |")
 
 
+def settle(outcome: Outcome, stop: threading.Event, collector: threading.Thread,
+           settle_s: float = SETTLE_S) -> None:
+    """Wait up to `settle_s` for the lost replies, then a moment for a late second one, and
+    stop the collector."""
+    settle_until = time.monotonic() + settle_s
+    while outcome.lost and time.monotonic() < settle_until:
+        time.sleep(0.1)
+    time.sleep(0.5)  # a late second reply would show up now
+    stop.set()
+    collector.join(5)
+
+
 def collect(client: Client, reply_to: str, outcome: Outcome, stop: threading.Event) -> None:
     """Pop every reply off the shared key, riding out the failover."""
     while not stop.is_set():
@@ -132,12 +144,7 @@ def run_failover(rig: SentinelRig, replicas_to_wait: int, seed: int) -> Outcome:
                                      args=(Client(url, "echo"), reply_to, outcome, stop))
         collector.start()
         produce(producer, reply_to, outcome, rig, seed)
-        settle_until = time.monotonic() + SETTLE_S
-        while outcome.lost and time.monotonic() < settle_until:
-            time.sleep(0.1)
-        time.sleep(0.5)  # a late second reply would show up now
-        stop.set()
-        collector.join(5)
+        settle(outcome, stop, collector)
         watcher.join(5)
     assert rig.master_port() == rig.replica.port, "Sentinel did not promote the replica"
     return outcome
