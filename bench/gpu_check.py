@@ -1,7 +1,8 @@
 """`python -m bench.gpu_check`: the GPU paths, checked on a real device in one command.
 
-Five checks, within 6 minutes on one GPU, in the dtype `--dtype` resolves to (auto: bfloat16
-on CUDA >= 8.0, float16 below), which the first line reports:
+Seven checks, in the dtype `--dtype` resolves to (auto: bfloat16 on CUDA >= 8.0, float16
+below), which the first line reports; `--checks` picks some (the first five, MiniLM's, within
+6 minutes on one GPU; the generative two within 5 more):
   overlap     CUDA event timings: the next batch's copy happens during this batch's compute
   governor    a ballast allocation leaves little free memory: the caps are cut, and grow back
   oom split   a batch far too large for the memory left is split until it fits; all answered
@@ -11,6 +12,13 @@ on CUDA >= 8.0, float16 below), which the first line reports:
               (CUDA graphs used or not), its own offline limit in the same dtype, and
               sentence-transformers' encode at batch 32/128/512 in float32 and float16, with
               the goals of issue 31 (bench/throughput/gpu_compare.py)
+  generative  SmolLM2: redbatch through Redis, its engine in-process, transformers'
+              generate_batch and static generate() at concurrency 16 and 64, then TTFT
+              unloaded and at 50 % and 80 % load (bench/generative/run.py, on this device)
+  exactness   the engine against generate() on each prompt alone, both in this dtype (and in
+              float32), every difference with its margin in the dtype's rounding steps
+              (bench/generative/exactness.py)
+Reports of the last two go to `--out`.
 Without a CUDA device it says so and exits 0.
 """
 
@@ -180,11 +188,59 @@ def check_throughput(model: Model, device: torch.device, repeat: int = 50) -> No
             f"({served / offline:.0%} of offline)")
 
 
+def check_generative(device: torch.device, dtype: str, out: Path) -> None:
+    from bench.generative.run import main as generative
+
+    generative(["--device", str(device), "--dtype", dtype, "--concurrency", "16", "64",
+                "--prompts", "128", "--repeats", "1", "--kv-cache-mib", "4096",
+                "--out", str(out)])
+
+
+def check_exactness(device: torch.device, dtype: str, out: Path) -> None:
+    from bench.generative.exactness import main as exactness
+
+    for each in dict.fromkeys((dtype, "float32")):  # float32 too: >= 99 % token-equal there
+        exactness(["--device", str(device), "--dtype", each, "--prompts", "48",
+                   "--out", str(out)])
+
+
+MINILM_CHECKS = {"overlap": check_overlap, "governor": check_governor,
+                 "oom-split": check_oom_split, "throughput": check_throughput,
+                 "vs-sentence-transformers": compare}
+GENERATIVE_CHECKS = {"generative": check_generative, "exactness": check_exactness}
+
+
+def run_checks(args: argparse.Namespace, device: torch.device, dtype: str) -> int:
+    """Each chosen check in turn, timed; a failure is reported and the next one runs."""
+    model = None
+    failed = 0
+    for name in args.checks:
+        say(f"\n== {name}")
+        started = time.perf_counter()
+        try:
+            if name in GENERATIVE_CHECKS:
+                GENERATIVE_CHECKS[name](device, dtype, args.out)
+            else:
+                if model is None:  # MiniLM, loaded once for its checks
+                    model = create_model("minilm", {})
+                    model.dtype = getattr(torch, dtype)
+                    model.load(device)
+                MINILM_CHECKS[name](model, device)
+        except Exception as exc:
+            failed += 1
+            say(f"FAILED: {type(exc).__name__}: {exc}")
+        say(f"({time.perf_counter() - started:.1f} s)")
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    every = [*MINILM_CHECKS, *GENERATIVE_CHECKS]
+    parser.add_argument("--checks", nargs="+", choices=every, default=every)
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "gpu_check")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         say("gpu_check: no CUDA device on this machine; nothing to check (exit 0)")
@@ -194,22 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     precision = device_precision(args.dtype, device)
     say(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
         f"dtype {precision.describe()} ({precision.reason})")
-    model = create_model("minilm", {})
-    model.dtype = getattr(torch, precision.dtype)
-    model.load(device)
-    checks = [("overlap", check_overlap), ("governor", check_governor),
-              ("oom split", check_oom_split), ("throughput", check_throughput),
-              ("vs sentence-transformers", compare)]
-    failed = 0
-    for name, check in checks:
-        say(f"\n== {name}")
-        started = time.perf_counter()
-        try:
-            check(model, device)
-        except Exception as exc:
-            failed += 1
-            say(f"FAILED: {type(exc).__name__}: {exc}")
-        say(f"({time.perf_counter() - started:.1f} s)")
+    failed = run_checks(args, device, precision.dtype)
     say(f"\ngpu_check: {failed} check(s) failed, {time.perf_counter() - begun:.0f} s in all")
     return 1 if failed else 0
 

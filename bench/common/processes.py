@@ -27,8 +27,8 @@ def worker_command(redis_url: str, namespace: str, metrics_port: int,
     """`python -m worker` with every setting as a flag (lists and dicts as JSON)."""
     command = [sys.executable, "-m", "worker", "run", "--redis-url", redis_url,
                "--namespace", namespace, "--metrics-port", str(metrics_port),
-               "--metrics-host", "127.0.0.1", "--log-level", "warning", "--device", "cpu"]
-    for name, value in settings.items():
+               "--metrics-host", "127.0.0.1", "--log-level", "warning"]
+    for name, value in {"device": "cpu", **settings}.items():  # a CPU unless told otherwise
         flag = "--" + name.replace("_", "-")
         command += [flag, json.dumps(value) if isinstance(value, list | dict) else str(value)]
     return command

@@ -6,14 +6,20 @@ non-associativity: chunked, padded and recomputed forwards sum in another order)
 apart from a bug (a large margin).
 
     python -m bench.generative.exactness [--prompts N] [--seed S] [--out DIR]
+        [--device cuda] [--dtype bfloat16]
 
-Writes DIR/2026-12-01-smollm2-exactness.{json,md}. One torch thread: the machine is shared.
+Writes DIR/2026-12-01-smollm2-exactness.{json,md} (float32 on the CPU; another device or dtype
+adds both to the name). One torch thread: the machine is shared. In a 16-bit dtype the
+reference is generate() in that dtype, and a near-tie is a margin within NEAR_TIE_ULPS of that
+dtype's rounding steps at the top logit's size (float32: NEAR_TIE).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
 import os
 import random
 import statistics
@@ -35,7 +41,7 @@ NAME = "2026-12-01-smollm2-exactness"
 SENTENCE_COUNTS = (1, 1, 1, 1, 2, 2, 2, 3, 4, 6, 9, 12)  # a long tail of prompt lengths
 TOPK = 20  # reference logits kept per step, for the margin of the batched run's token
 NEAR_TIE = 0.01  # a difference whose margins are both below this is float noise, not a bug
-CPU = torch.device("cpu")
+NEAR_TIE_ULPS = 2  # in a 16-bit dtype: two rounding steps (measured: differences at 1-2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,7 @@ class Difference:
     reference_margin: float  # reference logits: its top-1 minus the batched run's token
     reference_margin_exact: bool  # false: that token was not in the top TOPK, a lower bound
     batched_margin: float | None  # batched logits: its top-1 minus the reference's token
+    threshold: float  # a margin below this is a near-tie (near_tie_threshold)
     path: str  # how the batched run computed that step: "prefill" or "decode"
     width: int
     preempted: bool
@@ -66,15 +73,26 @@ class Difference:
 
     @property
     def near_tie(self) -> bool:
-        return self.reference_margin < NEAR_TIE and (self.batched_margin or 0.0) < NEAR_TIE
+        return (self.reference_margin < self.threshold
+                and (self.batched_margin or 0.0) < self.threshold)
 
 
-def load_model() -> Any:
+def near_tie_threshold(dtype: torch.dtype, top_logit: float) -> float:
+    """NEAR_TIE in float32; in a 16-bit dtype, NEAR_TIE_ULPS of its rounding steps at the
+    top logit's magnitude (bfloat16 keeps 8 significant bits: a step of 0.125 at 20)."""
+    if dtype == torch.float32:
+        return NEAR_TIE
+    step = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(top_logit) or 1.0))
+    return max(NEAR_TIE, NEAR_TIE_ULPS * step)
+
+
+def load_model(device: torch.device, dtype: torch.dtype) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from worker.models.smollm2 import SmolLM2
 
     model = SmolLM2()
-    model.load(CPU)
+    model.dtype = dtype
+    model.load(device)
     return model
 
 
@@ -101,7 +119,7 @@ def build_requests(model: Any, count: int, seed: int, max_new: int = 48, spread:
 
 def reference(lm: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> Reference:
     """generate(do_sample=False) on the prompt alone, with the best logits of each step."""
-    ids = torch.tensor([list(prompt_ids)])
+    ids = torch.tensor([list(prompt_ids)], device=lm.device)
     with torch.inference_mode():
         out = lm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=max_new_tokens, output_logits=True,
@@ -144,7 +162,8 @@ def difference(model: Any, request: Request, ref: Reference, served: Served,
     return Difference(request.id, request.kind, len(request.prompt_ids),
                       request.max_new_tokens, step, mine, theirs,
                       token_text(model, mine), token_text(model, theirs), margin, exact, batched,
-                      noted.path, noted.width, noted.preempted,
+                      near_tie_threshold(model.lm.dtype, values[0]), noted.path, noted.width,
+                      noted.preempted,
                       served.chunks.get(request.id, 0), served.preemptions.get(request.id, 0))
 
 
@@ -195,7 +214,8 @@ def markdown(report: Mapping[str, Any], differences: Sequence[Difference]) -> st
              f"- match: **{s['matched']}/{s['prompts']} = {100 * s['match_rate']:.1f}%** "
              f"(target >= 99%: {'met' if s['match_rate'] >= 0.99 else 'NOT met'})",
              f"- differences: {s['differences']} ({s['near_ties']} near-ties, both margins "
-             f"< {NEAR_TIE}; {s['differences'] - s['near_ties']} with a larger margin)",
+             f"< {report['near_tie_threshold']}; {s['differences'] - s['near_ties']} with a "
+             "larger margin)",
              f"- {s['tokens']} tokens; {s['preemptions']} preemptions "
              f"({s['preempted_requests']} requests); {s['chunked_requests']} prompts "
              f"prefilled in > 1 chunk; widest decode batch {s['widest']}; {s['steps']} steps",
@@ -214,13 +234,13 @@ def markdown(report: Mapping[str, Any], differences: Sequence[Difference]) -> st
     lines += ["", f"Margins are top-1 minus the other run's token, in logits (+: a lower bound, "
               f"that token was not in the reference's top {TOPK}).",
               "", "| id | step | reference | batched | margin ref | margin batched | path "
-              "| width | preempted |", "|---|---|---|---|---|---|---|---|---|"]
+              "| near-tie below | width | preempted |", "|---|---|---|---|---|---|---|---|---|---|"]
     for d in differences:
         ref_margin = f"{d.reference_margin:.2e}" + ("" if d.reference_margin_exact else "+")
         got = "n/a" if d.batched_margin is None else f"{d.batched_margin:.2e}"
         lines.append(f"| {d.id} | {d.step} | {d.reference_token} {d.reference_text!r} "
                      f"| {d.batched_token} {d.batched_text!r} | {ref_margin} | {got} "
-                     f"| {d.path} | {d.width} | {d.preempted} |")
+                     f"| {d.path} | {d.threshold:.3g} | {d.width} | {d.preempted} |")
     return "\n".join(lines) + "\n"
 
 
@@ -247,21 +267,36 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-step-tokens", type=int, default=32)
     parser.add_argument("--max-seqs", type=int, default=8)
     parser.add_argument("--kv-tokens", type=int, default=384)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     return parser.parse_args(argv)
+
+
+def report_name(device: torch.device, dtype: str) -> str:
+    if device.type == "cpu" and dtype == "float32":
+        return NAME  # the stored report, rewritten by a rerun
+    return f"{datetime.date.today().isoformat()}-smollm2-exactness-{dtype}-{device.type}"
+
+
+def tie_rule(dtype: str) -> str:
+    if dtype == "float32":
+        return str(NEAR_TIE)
+    return f"{NEAR_TIE_ULPS} {dtype} rounding steps at the top logit (at least {NEAR_TIE})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
-    model = load_model()
+    device = torch.device(args.device)
+    model = load_model(device, getattr(torch, args.dtype))
     loaded = time.perf_counter()
     requests = build_requests(model, args.prompts, args.seed, args.max_new)
     refs = {r.id: reference(model.lm, r.prompt_ids, r.max_new_tokens) for r in requests}
     referenced = time.perf_counter()
     limits = scheduler_limits(model, requests, args.max_step_tokens, args.max_seqs,
                               args.kv_tokens)
-    engine = RecordingEngine(model.lm, model.tokenizer, CPU, model.eos_ids,
+    engine = RecordingEngine(model.lm, model.tokenizer, device, model.eos_ids,
                              {i: ref.tokens for i, ref in refs.items()})
     served = serve(engine, limits, requests)
     differences, rows = compare(model, requests, refs, served)
@@ -270,14 +305,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
               "summary": summary(rows, differences, served),
               "limits": {**asdict(limits), "kv_tokens": limits.kv_tokens},
-              "noise": noise(refs, served), "near_tie_threshold": NEAR_TIE,
+              "noise": noise(refs, served), "near_tie_threshold": tie_rule(args.dtype),
               "timings_s": {"load": loaded - started, "reference": referenced - loaded,
                             "batched": served.seconds},
               "differences": [{**asdict(d), "near_tie": d.near_tie} for d in differences],
               "requests": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{NAME}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"{NAME}.md").write_text(markdown(report, differences))
+    name = report_name(device, args.dtype)
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / f"{name}.md").write_text(markdown(report, differences))
     print(markdown(report, differences))
     return 0
 

@@ -36,7 +36,9 @@ from bench.generative.online import RssPeak, closed_loop
 from bench.generative.report import markdown, memory_check
 from bench.generative.ttft import time_to_first_token
 from bench.generative.workload import GenRequest, build_workload, describe
+from worker.execution.executor import device_precision
 from worker.models import create_model
+from worker.policy.precision import DTYPES
 from worker.streams.server import RedisServer
 
 RESULTS = results_dir("generative")
@@ -58,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         "redbatch worker processes, each with --threads torch threads and its own KV cache "
         "(2 on a 2-core machine: two prompts that arrive together prefill side by side)"))
     parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--device", default="cpu", help=(
+        "where every system runs: the worker (its --device) and the in-process ones, e.g. cuda"))
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help=(
+        "the weights' and KV pool's dtype, for every system (auto: the device's, as the "
+        "worker resolves it)"))
     parser.add_argument("--ttft-only", action="store_true", help=(
         "skip the systems' throughput: saturation from one closed-loop redbatch run at the "
         "largest concurrency, then TTFT and memory"))
@@ -122,7 +129,8 @@ def measure(args: argparse.Namespace, model: Any, requests: list[GenRequest],
     results: dict[str, Any] = {}
     with RedisServer(log_dir, appendonly=False) as server, \
             Workers(server.url, "redbatch", args.workers, log_dir, model=args.model,
-                    model_options=model_options(args), torch_threads=args.threads) as pool:
+                    model_options=model_options(args), torch_threads=args.threads,
+                    device=args.device, dtype=args.dtype) as pool:
         pool.wait_until_reading(timeout_s=600)
         warm_up = 2 * args.workers  # a request or two for each worker
         closed_loop(pool.redis_url, pool.stream, requests[:warm_up], warm_up)
@@ -135,17 +143,27 @@ def measure(args: argparse.Namespace, model: Any, requests: list[GenRequest],
     return results
 
 
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)}, torch {torch.__version__})"
+    return str(device)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    precision = device_precision(args.dtype, device)
     model = create_model(args.model, model_options(args))
-    model.load(torch.device("cpu"))
+    model.dtype = getattr(torch, precision.dtype)
+    model.load(device)
     requests = build_workload(model, args.prompts, args.seed)
     results: dict[str, Any] = {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "bench.generative", *(argv or sys.argv[1:])]),
         "machine": describe_machine(), "model": args.model, "workload": describe(requests),
-        "threads": args.threads, "workers": args.workers, "kv_cache_mib": args.kv_cache_mib}
+        "threads": args.threads, "workers": args.workers, "kv_cache_mib": args.kv_cache_mib,
+        "device": describe_device(device), "dtype": precision.describe()}
     with tempfile.TemporaryDirectory(prefix="redbatch-gen-bench-") as log_dir:
         results.update(measure(args, model, requests, Path(log_dir)))
     args.out.mkdir(parents=True, exist_ok=True)
