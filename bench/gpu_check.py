@@ -200,7 +200,7 @@ def check_exactness(device: torch.device, dtype: str, out: Path) -> None:
     from bench.generative.exactness import main as exactness
 
     for each in dict.fromkeys((dtype, "float32")):  # float32 too: >= 99 % token-equal there
-        exactness(["--device", str(device), "--dtype", each, "--prompts", "48",
+        exactness(["--device", str(device), "--dtype", each, "--prompts", "32",
                    "--out", str(out)])
 
 
