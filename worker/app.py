@@ -188,7 +188,8 @@ def generation_parts(settings: Settings, model: Model, client: redis.Redis,
             client, stream, settings.group, settings.consumer, settings.result_ttl_ms,
             protocol.answered_key(settings.namespace, settings.model_name), settings.model_name,
             ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
-    return GenerationParts(engine_for(model), DecodingScheduler(model.scheduler_limits()),
+    return GenerationParts(engine_for(model, settings.cuda_graphs),
+                           DecodingScheduler(model.scheduler_limits()),
                            streams)
 
 

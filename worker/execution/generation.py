@@ -6,8 +6,12 @@ a forward writes only its new tokens' keys and values. A step runs:
 - each prefill chunk alone (a batch of one: the chunk on top of its cache so far), so a long
   prompt never pads its batch-mates;
 - every decoding sequence together in one forward: one new token per row, each row
-  attending to its own tokens (read from the pool, no padding) at explicit `position_ids`
-  (its own length), whatever the other rows' lengths.
+  attending to its own tokens at explicit `position_ids` (its own length), whatever the
+  other rows' lengths. On a CPU each row attends alone over exactly its tokens (no padding
+  to compute); on a GPU, where every launch costs more than a padded row, the step is
+  padded to a shape class (kv_pool.DecodeLayout: one gather and one attention call per
+  layer) and, where a CUDA graph was captured for that class (execution/decode_graphs.py),
+  replayed as one launch.
 
 The model's attention is the engine's own (execution/paged_attention.py, registered through
 transformers' AttentionInterface): the step's StepLayout is set for the duration of the
@@ -31,14 +35,16 @@ from typing import Any
 
 import torch
 
+from worker.execution.decode_graphs import DecodeGraphs
 from worker.execution.detokenize import Delta, TextState
-from worker.execution.kv_pool import BLOCK_TOKENS, KVPool, StepLayout
-from worker.execution.paged_attention import stepping, use_paged_attention
+from worker.execution.kv_pool import BLOCK_TOKENS, DecodeLayout, KVPool, StepLayout
+from worker.execution.paged_attention import Layout, stepping, use_paged_attention
 from worker.execution.sampling import RowDraws, choose_tokens
 from worker.execution.step_buffers import StepBuffers
 from worker.models.generation_params import SamplingParams
-from worker.models.generative import CausalLM, kv_shape
+from worker.models.generative import CausalLM, context_window, kv_shape
 from worker.policy.decoding import StepPlan, Work
+from worker.policy.shape_classes import ShapeClasses, decode_classes
 
 DEFAULT_KV_TOKENS = 16384  # an engine built without a budget (tests, tools)
 
@@ -75,7 +81,7 @@ class Forward:
 
     seqs: list[EngineSeq]
     works: list[Work]
-    layout: StepLayout
+    layout: Layout
     ids: list[int]  # rows x queries, left-padded; a device view once uploaded
     draws: RowDraws | None  # None when no row emits a token
     batched: bool  # the step's decode rows together (else one sequence alone)
@@ -84,9 +90,11 @@ class Forward:
 
 class GenerationEngine:
     def __init__(self, lm: Any, tokenizer: Any, device: torch.device,
-                 eos_ids: Iterable[int] = (), kv_tokens: int = DEFAULT_KV_TOKENS) -> None:
+                 eos_ids: Iterable[int] = (), kv_tokens: int = DEFAULT_KV_TOKENS,
+                 max_seqs: int = 64, padded_decode: bool | None = None) -> None:
         """`kv_tokens`: the pool's size, the scheduler's KV budget (plus a block per
-        sequence for the partly filled last blocks)."""
+        sequence for the partly filled last blocks). `padded_decode`: decode steps in shape
+        classes of up to `max_seqs` rows (default: on CUDA only)."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.device = device
@@ -95,6 +103,9 @@ class GenerationEngine:
         self.pool = KVPool(*kv_shape(lm.config), tokens=kv_tokens, dtype=lm.dtype,
                            device=device)
         self.buffers = StepBuffers(device)
+        self.padded_decode = device.type == "cuda" if padded_decode is None else padded_decode
+        self.shapes: ShapeClasses = decode_classes(max_seqs, min(kv_tokens, context_of(lm)))
+        self.graphs: DecodeGraphs | None = None  # capture_graphs() fills it, on CUDA
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -130,7 +141,8 @@ class GenerationEngine:
             self._forget(self.seqs[seq_id])
         decode = [w for w in plan.decode if w.start > 0]  # a 1-token prompt has no cache
         alone = plan.prefill + [w for w in plan.decode if w.start == 0]
-        forwards = self._stage([[w] for w in alone] + ([decode] if decode else []))
+        forwards = self._stage([[w] for w in alone] + ([decode] if decode else []),
+                               decoding=bool(decode))
         if decode:
             forwards[-1].batched = True
         output = StepOutput()
@@ -142,12 +154,14 @@ class GenerationEngine:
             output.deltas += deltas
         return output
 
-    def _stage(self, groups: Sequence[Sequence[Work]]) -> list[Forward]:
-        """Every forward's inputs, built on the host and copied to the device at once."""
+    def _stage(self, groups: Sequence[Sequence[Work]], decoding: bool) -> list[Forward]:
+        """Every forward's inputs, built on the host and copied to the device at once;
+        `decoding`: the last group is the step's decoding rows."""
         forwards: list[Forward] = []
         parts: list[Sequence[int] | torch.Tensor] = []
-        for works in groups:
-            forward = self._plan(works)
+        for number, works in enumerate(groups):
+            padded = decoding and number == len(groups) - 1 and self.padded_decode
+            forward = self._plan_decode(works) if padded else self._plan(works)
             forwards.append(forward)
             parts += [forward.ids, *forward.layout.host]
             if forward.draws is not None and forward.draws.samples:
@@ -155,28 +169,49 @@ class GenerationEngine:
         views = iter(self.buffers.upload(parts))
         for forward in forwards:
             forward.device = [next(views)]
-            forward.layout.bind(next(views), next(views), next(views))
+            forward.layout.bind(*[next(views) for _ in forward.layout.host])
             if forward.draws is not None and forward.draws.samples:
                 forward.device.append(next(views))
         return forwards
 
-    def _plan(self, works: Sequence[Work]) -> Forward:
-        """One forward's rows: blocks reserved, slots laid out, ids left-padded."""
+    def _reserve(self, works: Sequence[Work]) -> list[EngineSeq]:
+        """The rows' sequences, their blocks reserved and slots worked out up to the work."""
         seqs = [self.seqs[w.id] for w in works]
         for seq, work in zip(seqs, works, strict=True):
             assert seq.cached == work.start, (seq.id, seq.cached, work.start)
             self.pool.reserve(seq.blocks, work.end)
             if work.end > len(seq.slots):  # only the new tokens' slots are worked out
                 seq.slots += self.pool.slot_list(seq.blocks, work.end, len(seq.slots))
+        return seqs
+
+    def _plan_decode(self, works: Sequence[Work]) -> Forward:
+        """The decoding rows padded to their shape class (or, past every class, to their
+        own count and longest context): one token each, real rows first."""
+        seqs = self._reserve(works)
+        longest = max(w.end for w in works)
+        shape = self.shapes.fit(len(works), longest) or (len(works), longest)
+        layout = DecodeLayout(self.pool, [s.blocks for s in seqs], [w.end for w in works],
+                              shape, bind=False)
+        ids = [seq.tokens(w.start, w.end)[0] for seq, w in zip(seqs, works, strict=True)]
+        return Forward(seqs, list(works), layout, ids + [0] * (layout.rows - len(ids)),
+                       self._draws(seqs, works), batched=True)
+
+    def _draws(self, seqs: Sequence[EngineSeq], works: Sequence[Work]) -> RowDraws | None:
+        if not any(w.emits for w in works):
+            return None
+        return RowDraws.of([s.text.params for s in seqs], [s.seed for s in seqs],
+                           [len(s.text.generated) for s in seqs])
+
+    def _plan(self, works: Sequence[Work]) -> Forward:
+        """One forward's rows: blocks reserved, slots laid out, ids left-padded."""
+        seqs = self._reserve(works)
         layout = StepLayout(self.pool, [s.blocks for s in seqs], [w.start for w in works],
                             [w.end for w in works], bind=False, slots=[s.slots for s in seqs])
         ids: list[int] = []
         for seq, work in zip(seqs, works, strict=True):
             ids += [0] * (layout.queries - work.tokens) + seq.tokens(work.start, work.end)
-        draws = RowDraws.of([s.text.params for s in seqs], [s.seed for s in seqs],
-                            [len(s.text.generated) for s in seqs]) \
-            if any(w.emits for w in works) else None
-        return Forward(seqs, list(works), layout, ids, draws, batched=False)
+        return Forward(seqs, list(works), layout, ids, self._draws(seqs, works),
+                       batched=False)
 
     def _run(self, forward: Forward) -> list[Delta]:
         """The forward, then its rows' tokens chosen on the device, copied back at once."""
@@ -189,18 +224,34 @@ class GenerationEngine:
                 in zip(forward.seqs, forward.works, tokens, strict=True) if work.emits]
 
     def _forward(self, forward: Forward) -> torch.Tensor:
-        """The logits of each row's last token [rows, vocab]."""
+        """The logits of each real row's last token [rows, vocab]: a captured graph's
+        replay where one holds the step's shape, else the model's forward."""
         layout = forward.layout
+        ids = forward.device[0].view(layout.rows, layout.queries)
+        if isinstance(layout, DecodeLayout) and self.graphs is not None and (
+                graph := self.graphs.get(layout.shape)) is not None:
+            logits = graph.replay(ids, layout)
+        else:
+            logits = self.logits(ids, layout)
+        for seq, work in zip(forward.seqs, forward.works, strict=True):
+            seq.cached = work.end
+        return logits[:len(forward.seqs)]
+
+    def logits(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The model's forward over the layout: each row's last logits [rows, vocab]."""
         with stepping(layout):
-            ids = forward.device[0].view(layout.rows, layout.queries)
             out = self.lm(input_ids=ids, attention_mask=torch.ones_like(ids, dtype=torch.bool),
                           use_cache=False, position_ids=layout.positions, logits_to_keep=1)
         if layout.attended != len(self.pool.keys):  # a layer bypassed the pool: wrong tokens
             raise RuntimeError(f"{layout.attended} of {len(self.pool.keys)} layers ran the "
                                "engine's paged attention")
-        for seq, work in zip(forward.seqs, forward.works, strict=True):
-            seq.cached = work.end
         return out.logits[:, -1]  # type: ignore[no-any-return]
+
+    def capture_graphs(self) -> DecodeGraphs | None:
+        """Capture a CUDA graph of the decode step for every shape class (decode_graphs.py);
+        None, and eager decoding, where that is not possible (it says why)."""
+        self.graphs = DecodeGraphs.capture(self, self.shapes)
+        return self.graphs
 
     def _append(self, seq: EngineSeq, token: int) -> Delta:
         delta = seq.text.append(seq.id, token, self.decode)
@@ -214,9 +265,22 @@ class GenerationEngine:
         seq.cached = 0
 
 
-def engine_for(model: CausalLM) -> GenerationEngine:
+def context_of(lm: Any) -> int:
+    """The longest sequence the model takes (no limit of its own: the pool's)."""
+    try:
+        return context_window(lm.config)
+    except ValueError:
+        return 1 << 30
+
+
+def engine_for(model: CausalLM, cuda_graphs: bool = True) -> GenerationEngine:
     """A loaded causal LM's engine, its KV pool sized to the scheduler's budget (and one
-    more block per sequence for the partly filled last ones)."""
+    more block per sequence for the partly filled last ones), its decode steps captured as
+    CUDA graphs on a GPU unless `cuda_graphs` is false."""
     limits = model.scheduler_limits()
-    return GenerationEngine(model.lm, model.tokenizer, model.device, model.eos_ids,
-                            kv_tokens=limits.kv_tokens + limits.max_seqs * BLOCK_TOKENS)
+    engine = GenerationEngine(model.lm, model.tokenizer, model.device, model.eos_ids,
+                              kv_tokens=limits.kv_tokens + limits.max_seqs * BLOCK_TOKENS,
+                              max_seqs=limits.max_seqs)
+    if cuda_graphs and model.device.type == "cuda":
+        engine.capture_graphs()
+    return engine

@@ -25,7 +25,8 @@ from functools import cached_property
 import torch
 
 BLOCK_TOKENS = 16
-TRASH_SLOT = 0  # block 0 is never handed out: padded queries write here, never read
+TRASH_BLOCK = 0  # never handed out: padded queries write here, and padding reads it
+TRASH_SLOT = TRASH_BLOCK * BLOCK_TOKENS
 
 
 class KVPoolFull(RuntimeError):
@@ -137,3 +138,78 @@ class StepLayout:
         blocked = torch.finfo(dtype).min
         return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(
             ~seen, blocked)[:, None]
+
+
+class DecodeLayout:
+    """One decoding forward as fixed shapes: `rows` rows of one new token each (the real
+    ones first, the rest padding), each row reading `length` slots (its block table's, then
+    the trash block's), masked past its own length. Why: one gather and one attention call
+    per layer for the whole batch instead of one per row (a GPU pays per launch), in shapes
+    that change only by class (`shape`), so a CUDA graph can replay the step
+    (execution/decode_graphs.py). Padding rows write to and read the trash block, at
+    position 0, with one visible key.
+
+    Built on the host (`host`: write, tables, lengths, positions: block tables, not slots,
+    so a step uploads a sixteenth of its reads); `bind` takes their device views (or a
+    graph's static buffers). The slots read and the mask are worked out on the device by
+    the first layer that needs them, inside the forward (so inside a captured graph)."""
+
+    queries = 1
+
+    def __init__(self, pool: KVPool, tables: Sequence[Sequence[int]],
+                 lengths: Sequence[int], shape: tuple[int, int], bind: bool = True) -> None:
+        """`lengths`: each real row's tokens, its new one included; `shape`: the padded
+        (rows, context length) class, which must hold them."""
+        self.pool, self.shape, self.real = pool, shape, len(lengths)
+        self.rows, blocks = shape[0], -(-shape[1] // BLOCK_TOKENS)
+        self.length = blocks * BLOCK_TOKENS
+        assert self.real <= self.rows and max(lengths, default=1) <= self.length
+        pad = self.rows - self.real
+        write = [table[(n - 1) // BLOCK_TOKENS] * BLOCK_TOKENS + (n - 1) % BLOCK_TOKENS
+                 for table, n in zip(tables, lengths, strict=True)] + [TRASH_SLOT] * pad
+        flat: list[int] = []
+        for table in tables:
+            own = list(table[:blocks])
+            flat += own + [TRASH_BLOCK] * (blocks - len(own))
+        flat += [TRASH_BLOCK] * (blocks * pad)
+        padded = list(lengths) + [1] * pad
+        self.host = (write, flat, padded, [n - 1 for n in padded])
+        if bind:
+            self.bind(*(torch.tensor(part, dtype=torch.long).to(pool.device)
+                        for part in self.host))
+
+    def bind(self, write: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+             positions: torch.Tensor) -> None:
+        self.write, self.tables, self.lengths = write, tables, lengths
+        self.positions = positions.view(self.rows, 1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the layers worked out (before a forward that reuses the buffers)."""
+        self.attended = 0
+        self._read: torch.Tensor | None = None
+        self._visible: dict[int | None, torch.Tensor] = {}
+
+    @property
+    def read(self) -> torch.Tensor:
+        """Every row's `length` slots, flattened: [rows x length]; a slot past the row's
+        length reads the trash block (a slot not written yet may hold NaN, which a masked
+        attention weight of 0 would still spread: 0 x NaN is NaN)."""
+        if self._read is None:
+            offsets = torch.arange(BLOCK_TOKENS, device=self.tables.device)
+            slots = (self.tables.view(self.rows, -1, 1) * BLOCK_TOKENS + offsets)
+            keys = torch.arange(self.length, device=self.tables.device)[None]
+            written = keys < self.lengths[:, None]
+            self._read = torch.where(written, slots.view(self.rows, -1), TRASH_SLOT).flatten()
+        return self._read
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, length]: the keys each row's query sees (its own, within a sliding
+        window if any)."""
+        if window not in self._visible:
+            keys = torch.arange(self.length, device=self.lengths.device)[None]
+            seen = keys < self.lengths[:, None]
+            if window:
+                seen &= keys >= self.lengths[:, None] - window
+            self._visible[window] = seen[:, None, None]
+        return self._visible[window]

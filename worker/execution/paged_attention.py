@@ -36,14 +36,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.execution.kv_pool import StepLayout
+from worker.execution.kv_pool import DecodeLayout, StepLayout
 
 NAME = "redbatch_paged"
-_STEP: ContextVar[StepLayout | None] = ContextVar("redbatch_step", default=None)
+Layout = StepLayout | DecodeLayout
+_STEP: ContextVar[Layout | None] = ContextVar("redbatch_step", default=None)
 
 
 @contextmanager
-def stepping(layout: StepLayout) -> Iterator[StepLayout]:
+def stepping(layout: Layout) -> Iterator[Layout]:
     """The layout every paged attention call in this context (one forward) uses."""
     token = _STEP.set(layout)
     try:
@@ -94,6 +95,9 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
         raise NotImplementedError("paged attention has no logit soft-capping or sinks")
     layer = module.layer_idx
     layout.attended += 1
+    if isinstance(layout, DecodeLayout):
+        return decode_attention(query, key, value, layout, layer, scaling,
+                                kwargs.get("sliding_window")), None
     keys = _put_and_gather(layout.pool.keys[layer], key, layout)
     values = _put_and_gather(layout.pool.values[layer], value, layout)
     window = kwargs.get("sliding_window")
@@ -104,6 +108,26 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
         out[row, first:] = attend(query[row, :, first:], keys[offset:offset + end],
                                   values[offset:offset + end], start, scaling, window)
     return out, None
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     layout: DecodeLayout, layer: int, scaling: float | None,
+                     window: int | None) -> torch.Tensor:
+    """Every row's one new token at once: write the keys and values, gather each row's
+    `length` slots, one attention call masked to each row's own keys. query [rows, heads, 1,
+    dim], key and value [rows, kv_heads, 1, dim]; returns [rows, 1, heads, dim]."""
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    gathered = []
+    for pool, new in ((layout.pool.keys[layer], key), (layout.pool.values[layer], value)):
+        pool.index_copy_(0, layout.write, new[:, :, 0])
+        gathered.append(pool.index_select(0, layout.read)
+                        .view(rows, layout.length, kv_heads, dim).transpose(1, 2))
+    # grouped query heads ride as queries of their KV head, as attend() does for one row
+    q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(q, gathered[0], gathered[1],
+                                         attn_mask=layout.visible(window), scale=scaling)
+    return out.reshape(rows, 1, heads, dim)
 
 
 def _put_and_gather(pool: torch.Tensor, new: torch.Tensor, layout: StepLayout) -> torch.Tensor:

@@ -69,3 +69,26 @@ def shape_classes(boundaries: Sequence[int], max_batch_size: int,
     return ShapeClasses(tuple(
         (length, batch_classes(rows_cap(length, max_batch_size, max_batch_tokens)))
         for length in sorted(set(boundaries)) if length > 0))
+
+
+DECODE_LENGTHS_FROM = 256  # the shortest context a decode step's graph is captured for
+DECODE_LENGTHS_UP_TO = 4096  # longer contexts decode eagerly: rarer, and large to capture
+
+
+def decode_rows(max_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `max_seqs`, then `max_seqs`: a decode row costs little on a GPU
+    next to a launch, so powers of two (fewer graphs to capture) pad cheaply."""
+    cap = max(1, max_seqs)
+    return (*[1 << k for k in range(cap.bit_length()) if 1 << k < cap], cap)
+
+
+def decode_classes(max_seqs: int, max_context: int) -> ShapeClasses:
+    """The decode steps to capture: every row class up to `max_seqs` at each context length
+    class, 256, 512, ... doubling up to the longest a sequence may reach (`max_context`, at
+    most DECODE_LENGTHS_UP_TO), which is a class itself. A step pads its rows and each row's
+    context to the smallest class that holds it (ShapeClasses.fit)."""
+    top = max(1, min(max_context, DECODE_LENGTHS_UP_TO))
+    lengths = [DECODE_LENGTHS_FROM << k for k in range(top.bit_length())
+               if DECODE_LENGTHS_FROM << k < top]
+    rows = decode_rows(max_seqs)
+    return ShapeClasses(tuple((length, rows) for length in (*lengths, top)))

@@ -15,7 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def test_a_forced_difference_is_reported_with_both_tokens_text(tmp_path: Path) -> None:
     from bench.generative.continuous import RecordingEngine, Request, serve
-    from bench.generative.exactness import CPU, compare, markdown, noise, reference, summary
+    from bench.generative.exactness import CPU, compare, noise, reference
+    from bench.generative.exactness_report import markdown, summary
     from worker.models.generative import CausalLM
     from worker.policy.decoding import SchedulerLimits
 

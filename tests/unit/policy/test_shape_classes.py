@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from worker.policy.shape_classes import batch_classes, rows_cap, shape_classes
+from worker.policy.shape_classes import (
+    batch_classes,
+    decode_classes,
+    decode_rows,
+    rows_cap,
+    shape_classes,
+)
 
 
 def test_classes_are_powers_of_two_with_half_steps_from_eight_up_to_the_cap() -> None:
@@ -52,3 +58,25 @@ def test_shapes_are_captured_largest_first_once_each() -> None:
 def test_no_boundaries_no_shapes() -> None:
     classes = shape_classes([], 32, 8192)
     assert classes.shapes == [] and classes.fit(1, 8) is None
+
+
+def test_decode_rows_are_powers_of_two_then_the_cap() -> None:
+    assert decode_rows(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert decode_rows(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert decode_rows(1) == (1,)
+
+
+def test_decode_lengths_double_from_256_up_to_the_context_or_4096() -> None:
+    classes = decode_classes(max_seqs=4, max_context=8192)
+    assert [length for length, _ in classes.classes] == [256, 512, 1024, 2048, 4096]
+    assert all(rows == (1, 2, 4) for _, rows in classes.classes)
+    assert [length for length, _ in decode_classes(4, 1000).classes] == [256, 512, 1000]
+    assert [length for length, _ in decode_classes(4, 100).classes] == [100]
+
+
+def test_a_decode_step_fits_the_smallest_class_and_a_longer_one_runs_eagerly() -> None:
+    classes = decode_classes(max_seqs=64, max_context=2048)
+    assert classes.fit(3, 17) == (4, 256)
+    assert classes.fit(33, 300) == (64, 512)
+    assert classes.fit(64, 2048) == (64, 2048)
+    assert classes.fit(65, 10) is None and classes.fit(2, 2049) is None

@@ -1,0 +1,177 @@
+"""The decode step a GPU runs (worker/execution/kv_pool.py DecodeLayout, paged_attention.py
+decode_attention, decode_graphs.py): all rows padded to a shape class, one gather and one
+attention call per layer. On this CPU: it attends like plain SDPA over each row's own keys,
+gives the engine the same tokens as the row-by-row step, and launches one attention per
+layer; the CUDA graph capture is skipped cleanly here and checked against eager on a GPU."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.models.test_paged_attention import dense_reference, random_tables
+from tests.rigs.tiny_lm import build_tiny_lm
+from worker.execution.generation import GenerationEngine
+from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_SLOT, DecodeLayout, KVPool
+from worker.execution.paged_attention import paged_attention, stepping
+from worker.models.generation_params import SamplingParams
+from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+CPU = torch.device("cpu")
+LAYERS, KV_HEADS, DIM = 2, 2, 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny_lm(tmp_path_factory.mktemp("tiny-gpt2"))
+    yield AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_the_layout_pads_rows_and_reads_the_trash_block_past_each_length() -> None:
+    pool = KVPool(LAYERS, KV_HEADS, DIM, tokens=64, dtype=torch.float32, device=CPU)
+    layout = DecodeLayout(pool, [[3], [1, 2]], [5, 17], shape=(4, 20))
+    assert (layout.rows, layout.length, layout.real) == (4, 32, 2)  # 20 rounded to blocks
+    assert layout.write.tolist() == [3 * 16 + 4, 2 * 16 + 0, TRASH_SLOT, TRASH_SLOT]
+    assert layout.positions.view(-1).tolist() == [4, 16, 0, 0]
+    read = layout.read.view(4, 32)
+    assert read[0, :5].tolist() == [48, 49, 50, 51, 52] and not read[0, 5:].any()
+    assert read[1, :17].tolist() == [*range(16, 32), 32] and not read[1, 17:].any()
+    assert not read[2:].any()
+    visible = layout.visible(None).view(4, 32).sum(dim=1).tolist()
+    assert visible == [5, 17, 1, 1] and layout.visible(4).view(4, 32).sum(dim=1).tolist() == [
+        4, 4, 1, 1]
+
+
+def check_random_decode(rng: random.Random, heads: int, window: int | None) -> None:
+    real = rng.randint(1, 6)
+    ends = [rng.randint(1, 60) for _ in range(real)]
+    pool = KVPool(LAYERS, KV_HEADS, DIM, tokens=sum(ends) + 128, dtype=torch.float32,
+                  device=CPU)
+    for tensor in (*pool.keys, *pool.values):  # unwritten slots may hold NaN: never read
+        tensor[BLOCK_TOKENS:] = float("nan")
+    tables = random_tables(rng, pool, ends)
+    layer = rng.randrange(LAYERS)
+    full_k = [torch.randn(KV_HEADS, e, DIM) for e in ends]
+    full_v = [torch.randn(KV_HEADS, e, DIM) for e in ends]
+    for table, end, k, v in zip(tables, ends, full_k, full_v, strict=True):
+        history = pool.slots(table, end - 1)  # the cache so far, as earlier steps wrote it
+        pool.keys[layer][history] = k[:, :end - 1].transpose(0, 1)
+        pool.values[layer][history] = v[:, :end - 1].transpose(0, 1)
+    rows = real + rng.randint(0, 3)
+    layout = DecodeLayout(pool, tables, ends, shape=(rows, max(ends) + rng.randint(0, 40)))
+    q = torch.randn(rows, heads, 1, DIM)
+    new_k = torch.zeros(rows, KV_HEADS, 1, DIM)
+    new_v = torch.zeros(rows, KV_HEADS, 1, DIM)
+    for row in range(real):
+        new_k[row, :, 0], new_v[row, :, 0] = full_k[row][:, -1], full_v[row][:, -1]
+    with stepping(layout):
+        out, _ = paged_attention(SimpleNamespace(layer_idx=layer), q, new_k, new_v, None,
+                                 sliding_window=window)
+    assert out.shape == (rows, 1, heads, DIM) and layout.attended == 1
+    for row, end in enumerate(ends):
+        expected = dense_reference(q[row], full_k[row], full_v[row], end - 1, window)
+        torch.testing.assert_close(out[row], expected, atol=1e-5, rtol=1e-5)
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize(("heads", "window"), [(2, None), (6, None), (4, 7)])
+def test_decode_attention_equals_plain_sdpa_on_random_padded_layouts(
+        heads: int, window: int | None) -> None:
+    rng = random.Random(heads * 10 + (window or 0))
+    torch.manual_seed(heads)
+    for _ in range(40):
+        check_random_decode(rng, heads, window)
+
+
+def generate(tiny: tuple[Any, Any], padded: bool, prompts: int = 7) -> dict[str, list[int]]:
+    """Greedy and seeded-sampled sequences to the end, through the scheduler."""
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id], max_seqs=8,
+                              padded_decode=padded)
+    scheduler = DecodingScheduler(SchedulerLimits(max_seqs=8))
+    for i in range(prompts):
+        params = SamplingParams(12 + 5 * i, 0.8, 0.9, 20, seed=i) if i % 2 else \
+            SamplingParams(12 + 5 * i)
+        ids = tokenizer(f"hello redis {'stream ' * i}{i}").input_ids
+        engine.add(str(i), ids, params)
+        scheduler.add(SeqState(str(i), len(ids), 12 + 5 * i))
+    outputs: dict[str, list[int]] = {}
+    while len(scheduler):
+        for seq in scheduler.update(engine.step(scheduler.schedule()).finished):
+            done = engine.drop(seq.id)
+            assert done is not None
+            outputs[seq.id] = list(done.text.generated)
+    return outputs
+
+
+def test_a_padded_decode_gives_the_row_by_row_step_s_tokens(tiny: tuple[Any, Any]) -> None:
+    rowwise, padded = generate(tiny, padded=False), generate(tiny, padded=True)
+    assert len(padded) == 7 and padded == rowwise
+
+
+def test_a_padded_decode_step_runs_one_attention_per_layer(tiny: tuple[Any, Any]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    lm, tokenizer = tiny
+    counts = {}
+    for padded in (False, True):
+        engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id],
+                                  padded_decode=padded)
+        scheduler = DecodingScheduler(SchedulerLimits())
+        for i in range(6):
+            engine.add(str(i), tokenizer(f"a b c {i}").input_ids, SamplingParams(40))
+            scheduler.add(SeqState(str(i), len(tokenizer(f"a b c {i}").input_ids), 40))
+        for _ in range(2):
+            scheduler.update(engine.step(scheduler.schedule()).finished)
+        plan = scheduler.schedule()
+        assert len(plan.decode) == 6 and not plan.prefill
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step(plan)
+        names = collections.Counter(e.name for e in prof.events())
+        counts[padded] = names["aten::scaled_dot_product_attention"]
+        assert names["aten::_local_scalar_dense"] == 0  # no sync but the tokens' copy
+    assert counts == {False: 6 * lm.config.n_layer, True: lm.config.n_layer}
+
+
+def test_on_a_cpu_the_decode_graphs_are_skipped_and_decoding_stays_eager(
+        tiny: tuple[Any, Any]) -> None:
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id])
+    assert engine.capture_graphs() is None and engine.graphs is None
+    assert not engine.padded_decode  # a CPU attends row by row unless asked
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_decode_graphs_replay_the_eager_tokens(tiny: tuple[Any, Any]) -> None:
+    lm, tokenizer = tiny
+    cuda = (lm.to("cuda"), tokenizer)
+    eager = generate(cuda, padded=True)
+    engine = GenerationEngine(cuda[0], tokenizer, torch.device("cuda"),
+                              [tokenizer.eos_token_id], max_seqs=8)
+    graphs = engine.capture_graphs()
+    assert graphs is not None and (8, 256) in graphs.graphs
+    scheduler = DecodingScheduler(SchedulerLimits(max_seqs=8))
+    for i in range(7):
+        params = SamplingParams(12 + 5 * i, 0.8, 0.9, 20, seed=i) if i % 2 else \
+            SamplingParams(12 + 5 * i)
+        ids = tokenizer(f"hello redis {'stream ' * i}{i}").input_ids
+        engine.add(str(i), ids, params)
+        scheduler.add(SeqState(str(i), len(ids), 12 + 5 * i))
+    replayed: dict[str, list[int]] = {}
+    while len(scheduler):
+        for seq in scheduler.update(engine.step(scheduler.schedule()).finished):
+            done = engine.drop(seq.id)
+            assert done is not None
+            replayed[seq.id] = list(done.text.generated)
+    lm.to("cpu")
+    assert graphs.replays > 0 and replayed == eager
