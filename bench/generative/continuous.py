@@ -56,8 +56,9 @@ class RecordingEngine(GenerationEngine):
     """The engine, unchanged, with a note of the logits behind every token it samples."""
 
     def __init__(self, lm: Any, tokenizer: Any, device: torch.device, eos_ids: Iterable[int],
-                 expected: Mapping[str, Sequence[int]] | None = None) -> None:
-        super().__init__(lm, tokenizer, device, eos_ids)
+                 expected: Mapping[str, Sequence[int]] | None = None,
+                 gpu_shapes: bool | None = None) -> None:
+        super().__init__(lm, tokenizer, device, eos_ids, gpu_shapes=gpu_shapes)
         self.expected = expected or {}
         self.emitted: dict[str, list[Emitted]] = {}
         self.chunks: dict[str, int] = {}
@@ -73,10 +74,10 @@ class RecordingEngine(GenerationEngine):
             for row, seq in enumerate(forward.seqs):
                 self._note(seq, logits[row], "decode", len(forward.seqs))
             return logits
-        seq, work = forward.seqs[0], forward.works[0]
-        self.chunks[seq.id] = self.chunks.get(seq.id, 0) + 1
-        if work.end == len(seq.prompt_ids) + len(seq.text.generated):
-            self._note(seq, logits[0], "prefill", 1)
+        for row, (seq, work) in enumerate(zip(forward.seqs, forward.works, strict=True)):
+            self.chunks[seq.id] = self.chunks.get(seq.id, 0) + 1  # packed on a GPU
+            if work.end == len(seq.prompt_ids) + len(seq.text.generated):
+                self._note(seq, logits[row], "prefill", len(forward.seqs))
         return logits
 
     def _note(self, seq: EngineSeq, logits: torch.Tensor, path: str, width: int) -> None:

@@ -219,13 +219,17 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-tokens", type=int, default=384)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--gpu-shapes", action="store_true", help=(
+        "steps shaped for a GPU (decodes padded to shape classes, prefills packed) on any "
+        "device; a CUDA device uses them anyway"))
     return parser.parse_args(argv)
 
 
-def report_name(device: torch.device, dtype: str) -> str:
-    if device.type == "cpu" and dtype == "float32":
+def report_name(device: torch.device, dtype: str, gpu_shapes: bool) -> str:
+    if device.type == "cpu" and dtype == "float32" and not gpu_shapes:
         return NAME  # the stored report, rewritten by a rerun
-    return f"{datetime.date.today().isoformat()}-smollm2-exactness-{dtype}-{device.type}"
+    shaped = "-gpu-shapes" if gpu_shapes and device.type == "cpu" else ""
+    return f"{datetime.date.today().isoformat()}-smollm2-exactness-{dtype}-{device.type}{shaped}"
 
 
 def tie_rule(dtype: str) -> str:
@@ -247,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     limits = scheduler_limits(model, requests, args.max_step_tokens, args.max_seqs,
                               args.kv_tokens)
     engine = RecordingEngine(model.lm, model.tokenizer, device, model.eos_ids,
-                             {i: ref.tokens for i, ref in refs.items()})
+                             {i: ref.tokens for i, ref in refs.items()},
+                             gpu_shapes=args.gpu_shapes or None)
     served = serve(engine, limits, requests)
     differences, rows = compare(model, requests, refs, served)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -261,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "differences": [{**asdict(d), "near_tie": d.near_tie} for d in differences],
               "requests": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = report_name(device, args.dtype)
+    name = report_name(device, args.dtype, args.gpu_shapes)
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / f"{name}.md").write_text(markdown(report, differences))
     print(markdown(report, differences))

@@ -13,7 +13,8 @@ import torch
 
 from tests.rigs.tiny_lm import build_tiny_lm
 from worker.execution.generation import GenerationEngine, engine_for
-from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_SLOT, KVPool, KVPoolFull, StepLayout
+from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_SLOT, KVPool, KVPoolFull
+from worker.execution.step_layouts import StepLayout
 from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
 

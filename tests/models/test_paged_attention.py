@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.rigs.tiny_lm import build_tiny_lm
-from worker.execution.kv_pool import BLOCK_TOKENS, KVPool, StepLayout
+from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import NAME, paged_attention, stepping
+from worker.execution.step_layouts import StepLayout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CPU = torch.device("cpu")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from worker.execution.kv_pool import DecodeLayout
+from worker.execution.step_layouts import DecodeLayout
 from worker.policy.shape_classes import ShapeClasses
 
 if TYPE_CHECKING:

@@ -37,10 +37,11 @@ import torch
 
 from worker.execution.decode_graphs import DecodeGraphs
 from worker.execution.detokenize import Delta, TextState
-from worker.execution.kv_pool import BLOCK_TOKENS, DecodeLayout, KVPool, StepLayout
+from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import Layout, stepping, use_paged_attention
 from worker.execution.sampling import RowDraws, choose_tokens
 from worker.execution.step_buffers import StepBuffers
+from worker.execution.step_layouts import DecodeLayout, PackedLayout, StepLayout
 from worker.models.generation_params import SamplingParams
 from worker.models.generative import CausalLM, context_window, kv_shape
 from worker.policy.decoding import StepPlan, Work
@@ -91,10 +92,11 @@ class Forward:
 class GenerationEngine:
     def __init__(self, lm: Any, tokenizer: Any, device: torch.device,
                  eos_ids: Iterable[int] = (), kv_tokens: int = DEFAULT_KV_TOKENS,
-                 max_seqs: int = 64, padded_decode: bool | None = None) -> None:
+                 max_seqs: int = 64, gpu_shapes: bool | None = None) -> None:
         """`kv_tokens`: the pool's size, the scheduler's KV budget (plus a block per
-        sequence for the partly filled last blocks). `padded_decode`: decode steps in shape
-        classes of up to `max_seqs` rows (default: on CUDA only)."""
+        sequence for the partly filled last blocks). `gpu_shapes`: steps shaped for a GPU,
+        decodes padded to shape classes of up to `max_seqs` rows and prefills packed into
+        one forward (default: on CUDA only)."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.device = device
@@ -103,7 +105,7 @@ class GenerationEngine:
         self.pool = KVPool(*kv_shape(lm.config), tokens=kv_tokens, dtype=lm.dtype,
                            device=device)
         self.buffers = StepBuffers(device)
-        self.padded_decode = device.type == "cuda" if padded_decode is None else padded_decode
+        self.gpu_shapes = device.type == "cuda" if gpu_shapes is None else gpu_shapes
         self.shapes: ShapeClasses = decode_classes(max_seqs, min(kv_tokens, context_of(lm)))
         self.graphs: DecodeGraphs | None = None  # capture_graphs() fills it, on CUDA
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
@@ -140,29 +142,32 @@ class GenerationEngine:
         for seq_id in plan.preempted:
             self._forget(self.seqs[seq_id])
         decode = [w for w in plan.decode if w.start > 0]  # a 1-token prompt has no cache
-        alone = plan.prefill + [w for w in plan.decode if w.start == 0]
-        forwards = self._stage([[w] for w in alone] + ([decode] if decode else []),
-                               decoding=bool(decode))
-        if decode:
-            forwards[-1].batched = True
+        prefill = plan.prefill + [w for w in plan.decode if w.start == 0]
+        forwards = self._stage(prefill, decode)
+        prefilling = len(forwards) - bool(decode)  # the forwards before the decoding one
         output = StepOutput()
         for number, forward in enumerate(forwards):
             deltas = self._run(forward)
-            if on_prefilled is not None and number < len(alone):
+            if on_prefilled is not None and number < prefilling:
                 for delta in deltas:
                     on_prefilled(delta)
             output.deltas += deltas
         return output
 
-    def _stage(self, groups: Sequence[Sequence[Work]], decoding: bool) -> list[Forward]:
-        """Every forward's inputs, built on the host and copied to the device at once;
-        `decoding`: the last group is the step's decoding rows."""
-        forwards: list[Forward] = []
+    def _stage(self, prefill: Sequence[Work], decode: Sequence[Work]) -> list[Forward]:
+        """Every forward's inputs, built on the host and copied to the device at once: the
+        prefill chunks (one forward each, or packed into one, shaped for a GPU), then the
+        decoding rows together (padded to a shape class, shaped for a GPU)."""
+        if self.gpu_shapes:
+            forwards = [self._plan_packed(prefill)] if prefill else []
+            forwards += [self._plan_decode(decode)] if decode else []
+        else:
+            forwards = [self._plan([work]) for work in prefill]
+            forwards += [self._plan(decode)] if decode else []
+        if decode:
+            forwards[-1].batched = True
         parts: list[Sequence[int] | torch.Tensor] = []
-        for number, works in enumerate(groups):
-            padded = decoding and number == len(groups) - 1 and self.padded_decode
-            forward = self._plan_decode(works) if padded else self._plan(works)
-            forwards.append(forward)
+        for forward in forwards:
             parts += [forward.ids, *forward.layout.host]
             if forward.draws is not None and forward.draws.samples:
                 parts.append(forward.draws.packed())
@@ -195,6 +200,17 @@ class GenerationEngine:
         ids = [seq.tokens(w.start, w.end)[0] for seq, w in zip(seqs, works, strict=True)]
         return Forward(seqs, list(works), layout, ids + [0] * (layout.rows - len(ids)),
                        self._draws(seqs, works), batched=True)
+
+    def _plan_packed(self, works: Sequence[Work]) -> Forward:
+        """The step's prefill chunks one after another in one row, no padding."""
+        seqs = self._reserve(works)
+        layout = PackedLayout(self.pool, [s.slots for s in seqs], [w.start for w in works],
+                              [w.end for w in works], bind=False)
+        ids: list[int] = []
+        for seq, work in zip(seqs, works, strict=True):
+            ids += seq.tokens(work.start, work.end)
+        return Forward(seqs, list(works), layout, ids, self._draws(seqs, works),
+                       batched=False)
 
     def _draws(self, seqs: Sequence[EngineSeq], works: Sequence[Work]) -> RowDraws | None:
         if not any(w.emits for w in works):
@@ -241,11 +257,12 @@ class GenerationEngine:
         """The model's forward over the layout: each row's last logits [rows, vocab]."""
         with stepping(layout):
             out = self.lm(input_ids=ids, attention_mask=torch.ones_like(ids, dtype=torch.bool),
-                          use_cache=False, position_ids=layout.positions, logits_to_keep=1)
+                          use_cache=False, position_ids=layout.positions,
+                          logits_to_keep=layout.keep)
         if layout.attended != len(self.pool.keys):  # a layer bypassed the pool: wrong tokens
             raise RuntimeError(f"{layout.attended} of {len(self.pool.keys)} layers ran the "
                                "engine's paged attention")
-        return out.logits[:, -1]  # type: ignore[no-any-return]
+        return layout.last_logits(out.logits)
 
     def capture_graphs(self) -> DecodeGraphs | None:
         """Capture a CUDA graph of the decode step for every shape class (decode_graphs.py);

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.execution.kv_pool import DecodeLayout, StepLayout
+from worker.execution.step_layouts import DecodeLayout, PackedLayout, StepLayout
 
 NAME = "redbatch_paged"
-Layout = StepLayout | DecodeLayout
+Layout = StepLayout | DecodeLayout | PackedLayout
 _STEP: ContextVar[Layout | None] = ContextVar("redbatch_step", default=None)
 
 
@@ -98,6 +98,9 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     if isinstance(layout, DecodeLayout):
         return decode_attention(query, key, value, layout, layer, scaling,
                                 kwargs.get("sliding_window")), None
+    if isinstance(layout, PackedLayout):
+        return packed_attention(query, key, value, layout, layer, scaling,
+                                kwargs.get("sliding_window")), None
     keys = _put_and_gather(layout.pool.keys[layer], key, layout)
     values = _put_and_gather(layout.pool.values[layer], value, layout)
     window = kwargs.get("sliding_window")
@@ -128,6 +131,24 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = F.scaled_dot_product_attention(q, gathered[0], gathered[1],
                                          attn_mask=layout.visible(window), scale=scaling)
     return out.reshape(rows, 1, heads, dim)
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     layout: PackedLayout, layer: int, scaling: float | None,
+                     window: int | None) -> torch.Tensor:
+    """Every packed token at once: write the keys and values, gather every row's history,
+    one attention call masked to each token's own sequence up to itself. query [1, heads,
+    queries, dim], key and value [1, kv_heads, queries, dim]; returns [1, queries, heads,
+    dim]."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    gathered = []
+    for pool, new in ((layout.pool.keys[layer], key), (layout.pool.values[layer], value)):
+        pool.index_copy_(0, layout.write, new[0].transpose(0, 1))
+        history = pool.index_select(0, layout.read).transpose(0, 1)[None]
+        gathered.append(history.repeat_interleave(heads // kv_heads, dim=1))
+    out = F.scaled_dot_product_attention(query, gathered[0], gathered[1],
+                                         attn_mask=layout.visible(window), scale=scaling)
+    return out.transpose(1, 2)
 
 
 def _put_and_gather(pool: torch.Tensor, new: torch.Tensor, layout: StepLayout) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""The decode step a GPU runs (worker/execution/kv_pool.py DecodeLayout, paged_attention.py
-decode_attention, decode_graphs.py): all rows padded to a shape class, one gather and one
-attention call per layer. On this CPU: it attends like plain SDPA over each row's own keys,
-gives the engine the same tokens as the row-by-row step, and launches one attention per
-layer; the CUDA graph capture is skipped cleanly here and checked against eager on a GPU."""
+"""The steps a GPU runs (worker/execution/step_layouts.py, paged_attention.py, decode_graphs.py):
+decoding rows padded to a shape class and prefill chunks packed into one row, each with one
+gather and one attention call per layer. On this CPU: they attend like plain SDPA over each
+row's own keys, give the engine the same tokens as the row-by-row steps, and launch one
+attention per layer; the CUDA graph capture is skipped cleanly here and checked against
+eager on a GPU."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import torch
 from tests.models.test_paged_attention import dense_reference, random_tables
 from tests.rigs.tiny_lm import build_tiny_lm
 from worker.execution.generation import GenerationEngine
-from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_SLOT, DecodeLayout, KVPool
+from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_SLOT, KVPool
 from worker.execution.paged_attention import paged_attention, stepping
+from worker.execution.step_layouts import DecodeLayout, PackedLayout
 from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
 
@@ -93,11 +95,55 @@ def test_decode_attention_equals_plain_sdpa_on_random_padded_layouts(
         check_random_decode(rng, heads, window)
 
 
+def check_random_packed(rng: random.Random, heads: int, window: int | None) -> None:
+    rows = rng.randint(1, 5)
+    starts = [rng.choice([0, rng.randint(0, 40)]) for _ in range(rows)]
+    ends = [s + rng.randint(1, 20) for s in starts]
+    pool = KVPool(LAYERS, KV_HEADS, DIM, tokens=sum(ends) + 64, dtype=torch.float32,
+                  device=CPU)
+    tables = random_tables(rng, pool, ends)
+    layer = rng.randrange(LAYERS)
+    full_k = [torch.randn(KV_HEADS, e, DIM) for e in ends]
+    full_v = [torch.randn(KV_HEADS, e, DIM) for e in ends]
+    for table, start, k, v in zip(tables, starts, full_k, full_v, strict=True):
+        history = pool.slots(table, start)
+        pool.keys[layer][history] = k[:, :start].transpose(0, 1)
+        pool.values[layer][history] = v[:, :start].transpose(0, 1)
+    layout = PackedLayout(pool, [pool.slots(t, e).tolist() for t, e in zip(tables, ends,
+                                                                             strict=True)],
+                          starts, ends)
+    q = torch.randn(1, heads, layout.queries, DIM)
+    new_k = torch.cat([k[:, s:] for k, s in zip(full_k, starts, strict=True)], dim=1)[None]
+    new_v = torch.cat([v[:, s:] for v, s in zip(full_v, starts, strict=True)], dim=1)[None]
+    with stepping(layout):
+        out, _ = paged_attention(SimpleNamespace(layer_idx=layer), q, new_k, new_v, None,
+                                 sliding_window=window)
+    assert out.shape == (1, layout.queries, heads, DIM)
+    at = 0
+    for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        n = end - start
+        expected = dense_reference(q[0, :, at:at + n], full_k[row], full_v[row], start, window)
+        torch.testing.assert_close(out[0, at:at + n], expected, atol=1e-5, rtol=1e-5)
+        at += n
+    assert layout.keep.tolist() == [sum(e - s for s, e in zip(starts[:r + 1], ends[:r + 1],
+                                                               strict=True)) - 1
+                                    for r in range(rows)]
+
+
+@pytest.mark.parametrize(("heads", "window"), [(2, None), (6, None), (4, 7)])
+def test_packed_prefill_attention_equals_plain_sdpa_on_random_layouts(
+        heads: int, window: int | None) -> None:
+    rng = random.Random(heads * 7 + (window or 0))
+    torch.manual_seed(heads + 1)
+    for _ in range(40):
+        check_random_packed(rng, heads, window)
+
+
 def generate(tiny: tuple[Any, Any], padded: bool, prompts: int = 7) -> dict[str, list[int]]:
     """Greedy and seeded-sampled sequences to the end, through the scheduler."""
     lm, tokenizer = tiny
     engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id], max_seqs=8,
-                              padded_decode=padded)
+                              gpu_shapes=padded)
     scheduler = DecodingScheduler(SchedulerLimits(max_seqs=8))
     for i in range(prompts):
         params = SamplingParams(12 + 5 * i, 0.8, 0.9, 20, seed=i) if i % 2 else \
@@ -114,7 +160,7 @@ def generate(tiny: tuple[Any, Any], padded: bool, prompts: int = 7) -> dict[str,
     return outputs
 
 
-def test_a_padded_decode_gives_the_row_by_row_step_s_tokens(tiny: tuple[Any, Any]) -> None:
+def test_gpu_shaped_steps_give_the_row_by_row_steps_tokens(tiny: tuple[Any, Any]) -> None:
     rowwise, padded = generate(tiny, padded=False), generate(tiny, padded=True)
     assert len(padded) == 7 and padded == rowwise
 
@@ -126,7 +172,7 @@ def test_a_padded_decode_step_runs_one_attention_per_layer(tiny: tuple[Any, Any]
     counts = {}
     for padded in (False, True):
         engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id],
-                                  padded_decode=padded)
+                                  gpu_shapes=padded)
         scheduler = DecodingScheduler(SchedulerLimits())
         for i in range(6):
             engine.add(str(i), tokenizer(f"a b c {i}").input_ids, SamplingParams(40))
@@ -143,12 +189,31 @@ def test_a_padded_decode_step_runs_one_attention_per_layer(tiny: tuple[Any, Any]
     assert counts == {False: 6 * lm.config.n_layer, True: lm.config.n_layer}
 
 
+def test_a_step_s_prefills_run_as_one_packed_forward(tiny: tuple[Any, Any]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id], gpu_shapes=True)
+    scheduler = DecodingScheduler(SchedulerLimits())
+    for i in range(3):
+        ids = tokenizer(f"the quick brown {'fox ' * i}").input_ids
+        engine.add(str(i), ids, SamplingParams(8))
+        scheduler.add(SeqState(str(i), len(ids), 8))
+    plan = scheduler.schedule()
+    assert len(plan.prefill) == 3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        output = engine.step(plan)
+    names = collections.Counter(e.name for e in prof.events())
+    assert names["aten::scaled_dot_product_attention"] == lm.config.n_layer
+    assert engine.buffers.copies == 1 and len(output.deltas) == 3
+
+
 def test_on_a_cpu_the_decode_graphs_are_skipped_and_decoding_stays_eager(
         tiny: tuple[Any, Any]) -> None:
     lm, tokenizer = tiny
     engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id])
     assert engine.capture_graphs() is None and engine.graphs is None
-    assert not engine.padded_decode  # a CPU attends row by row unless asked
+    assert not engine.gpu_shapes  # a CPU attends row by row unless asked
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
