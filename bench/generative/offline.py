@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.generative.workload import MAX_NEW, GenRequest
-from worker.execution.generation import engine_for
+from worker.execution.generation import GenerationEngine, engine_for
 from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SeqState
 
@@ -44,10 +44,13 @@ class Run:
                 "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
+_ENGINES: dict[int, GenerationEngine] = {}  # per model: its CUDA graphs captured once
+
+
 def run_engine(model: Any, requests: Sequence[GenRequest], cap: int,
                static: bool = False) -> Run:
     """redbatch's engine stepped to the end: continuous, or static (run to completion)."""
-    engine = engine_for(model)
+    engine = _ENGINES.get(id(model)) or _ENGINES.setdefault(id(model), engine_for(model))
     scheduler = DecodingScheduler(replace(model.scheduler_limits(), max_seqs=cap))
     queued = list(enumerate(requests))
     outputs: dict[int, list[int]] = {}
