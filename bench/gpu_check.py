@@ -191,7 +191,7 @@ def check_throughput(model: Model, device: torch.device, repeat: int = 50) -> No
 def check_generative(device: torch.device, dtype: str, out: Path) -> None:
     from bench.generative.run import main as generative
 
-    generative(["--device", str(device), "--dtype", dtype, "--concurrency", "16", "64",
+    generative(["--device", str(device), "--dtype", dtype, "--concurrency", "64", "16",
                 "--prompts", "128", "--repeats", "1", "--kv-cache-mib", "4096",
                 "--out", str(out)])
 
@@ -200,7 +200,7 @@ def check_exactness(device: torch.device, dtype: str, out: Path) -> None:
     from bench.generative.exactness import main as exactness
 
     for each in dict.fromkeys((dtype, "float32")):  # float32 too: >= 99 % token-equal there
-        exactness(["--device", str(device), "--dtype", each, "--prompts", "32",
+        exactness(["--device", str(device), "--dtype", each, "--prompts", "16",
                    "--out", str(out)])
 
 

@@ -1,21 +1,20 @@
 """The batched decoding engine: runs the scheduler's StepPlan on a Hugging Face causal LM.
 
 KV caches live in one paged pool (execution/kv_pool.py): a sequence owns a block table, and
-a forward writes only its new tokens' keys and values. A step runs:
+a forward writes only its new tokens' keys and values. A step runs its prefill chunks, then
+every decoding sequence together (one new token per row at its own `position_ids`), in
+layouts (execution/step_layouts.py) shaped for the device:
 
-- each prefill chunk alone (a batch of one: the chunk on top of its cache so far), so a long
-  prompt never pads its batch-mates;
-- every decoding sequence together in one forward: one new token per row, each row
-  attending to its own tokens at explicit `position_ids` (its own length), whatever the
-  other rows' lengths. On a CPU each row attends alone over exactly its tokens (no padding
-  to compute); on a GPU, where every launch costs more than a padded row, the step is
-  padded to a shape class (kv_pool.DecodeLayout: one gather and one attention call per
-  layer) and, where a CUDA graph was captured for that class (execution/decode_graphs.py),
-  replayed as one launch.
+- on a CPU, each prefill chunk alone and each decoding row attending alone over exactly
+  its tokens: no padded work at all;
+- on a GPU, where a launch costs more than a padded row, the prefill chunks packed into one
+  forward and the decoding rows padded to a shape class, each with one gather and one
+  attention call per layer; a class with a captured CUDA graph (execution/decode_graphs.py)
+  replays as one launch.
 
 The model's attention is the engine's own (execution/paged_attention.py, registered through
-transformers' AttentionInterface): the step's StepLayout is set for the duration of the
-forward (`stepping`), which keeps no cache of its own (`use_cache=False`).
+transformers' AttentionInterface): the forward's layout is set for its duration
+(`stepping`), and the forward keeps no cache of its own (`use_cache=False`).
 
 A step's inputs for all its forwards (token ids, positions, KV slots, the sampler's
 per-row inputs) go to the device in one copy through preallocated buffers
@@ -43,7 +42,7 @@ from worker.execution.sampling import RowDraws, choose_tokens
 from worker.execution.step_buffers import StepBuffers
 from worker.execution.step_layouts import DecodeLayout, PackedLayout, StepLayout
 from worker.models.generation_params import SamplingParams
-from worker.models.generative import CausalLM, context_window, kv_shape
+from worker.models.generative import CausalLM, context_of, kv_shape
 from worker.policy.decoding import StepPlan, Work
 from worker.policy.shape_classes import ShapeClasses, decode_classes
 
@@ -280,14 +279,6 @@ class GenerationEngine:
         self.pool.release(seq.blocks)
         seq.slots.clear()
         seq.cached = 0
-
-
-def context_of(lm: Any) -> int:
-    """The longest sequence the model takes (no limit of its own: the pool's)."""
-    try:
-        return context_window(lm.config)
-    except ValueError:
-        return 1 << 30
 
 
 def engine_for(model: CausalLM, cuda_graphs: bool = True) -> GenerationEngine:

@@ -44,6 +44,14 @@ def context_window(config: Any) -> int:
     raise ValueError("the model's config names no context window")
 
 
+def context_of(lm: Any) -> int:
+    """The longest sequence the model takes (no limit of its own: the pool's)."""
+    try:
+        return context_window(lm.config)
+    except ValueError:
+        return 1 << 30
+
+
 def kv_shape(config: Any) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of a causal LM's config."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
