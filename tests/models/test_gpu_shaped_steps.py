@@ -19,6 +19,7 @@ import torch
 
 from tests.models.test_paged_attention import dense_reference, random_tables
 from tests.rigs.tiny_lm import build_tiny_lm
+from worker.execution.decode_graphs import DecodeGraph, DecodeGraphs, check, static_inputs
 from worker.execution.generation import GenerationEngine
 from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_SLOT, KVPool
 from worker.execution.paged_attention import paged_attention, stepping
@@ -139,11 +140,18 @@ def test_packed_prefill_attention_equals_plain_sdpa_on_random_layouts(
         check_random_packed(rng, heads, window)
 
 
-def generate(tiny: tuple[Any, Any], padded: bool, prompts: int = 7) -> dict[str, list[int]]:
-    """Greedy and seeded-sampled sequences to the end, through the scheduler."""
+def engine_of(tiny: tuple[Any, Any], padded: bool,
+              device: torch.device = CPU) -> GenerationEngine:
     lm, tokenizer = tiny
-    engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id], max_seqs=8,
-                              gpu_shapes=padded)
+    return GenerationEngine(lm, tokenizer, device, [tokenizer.eos_token_id], max_seqs=8,
+                            gpu_shapes=padded)
+
+
+def generate(tiny: tuple[Any, Any], padded: bool, prompts: int = 7,
+             engine: GenerationEngine | None = None) -> dict[str, list[int]]:
+    """Greedy and seeded-sampled sequences to the end, through the scheduler."""
+    tokenizer = tiny[1]
+    engine = engine or engine_of(tiny, padded)
     scheduler = DecodingScheduler(SchedulerLimits(max_seqs=8))
     for i in range(prompts):
         params = SamplingParams(12 + 5 * i, 0.8, 0.9, 20, seed=i) if i % 2 else \
@@ -216,27 +224,48 @@ def test_on_a_cpu_the_decode_graphs_are_skipped_and_decoding_stays_eager(
     assert not engine.gpu_shapes  # a CPU attends row by row unless asked
 
 
+class Rerun:
+    """Stands in for a CUDA graph on a CPU: a replay re-runs the captured forward on the
+    static buffers, as the graph re-runs its kernels on them, and writes the same output."""
+
+    def __init__(self, engine: GenerationEngine, graph: DecodeGraph) -> None:
+        self.engine, self.graph = engine, graph
+
+    def replay(self) -> None:
+        self.graph.layout.reset()
+        self.graph.logits.copy_(self.engine.logits(self.graph.ids, self.graph.layout))
+
+
+def rerun_graphs(engine: GenerationEngine) -> DecodeGraphs:
+    graphs = {}
+    for shape in engine.shapes.shapes:
+        ids, layout = static_inputs(engine, shape)
+        graph = DecodeGraph(ids, layout, engine.logits(ids, layout).clone(), None)
+        graph.graph = Rerun(engine, graph)
+        graphs[shape] = graph
+    return DecodeGraphs(graphs)
+
+
+def test_replays_copy_each_step_into_their_class_s_buffers_and_give_eager_s_tokens(
+        tiny: tuple[Any, Any]) -> None:
+    eager = generate(tiny, padded=True)
+    engine = engine_of(tiny, padded=True)
+    engine.graphs = rerun_graphs(engine)
+    assert generate(tiny, padded=True, engine=engine) == eager
+    assert engine.graphs.replays > 10
+    for shape in (min(engine.graphs.graphs), max(engine.graphs.graphs)):
+        check(engine, engine.graphs.graphs[shape])  # the start-up check passes on them
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_decode_graphs_replay_the_eager_tokens(tiny: tuple[Any, Any]) -> None:
     lm, tokenizer = tiny
     cuda = (lm.to("cuda"), tokenizer)
-    eager = generate(cuda, padded=True)
-    engine = GenerationEngine(cuda[0], tokenizer, torch.device("cuda"),
-                              [tokenizer.eos_token_id], max_seqs=8)
+    cuda_device = torch.device("cuda")
+    eager = generate(cuda, padded=True, engine=engine_of(cuda, True, cuda_device))
+    engine = engine_of(cuda, True, cuda_device)
     graphs = engine.capture_graphs()
     assert graphs is not None and (8, 256) in graphs.graphs
-    scheduler = DecodingScheduler(SchedulerLimits(max_seqs=8))
-    for i in range(7):
-        params = SamplingParams(12 + 5 * i, 0.8, 0.9, 20, seed=i) if i % 2 else \
-            SamplingParams(12 + 5 * i)
-        ids = tokenizer(f"hello redis {'stream ' * i}{i}").input_ids
-        engine.add(str(i), ids, params)
-        scheduler.add(SeqState(str(i), len(ids), 12 + 5 * i))
-    replayed: dict[str, list[int]] = {}
-    while len(scheduler):
-        for seq in scheduler.update(engine.step(scheduler.schedule()).finished):
-            done = engine.drop(seq.id)
-            assert done is not None
-            replayed[seq.id] = list(done.text.generated)
+    replayed = generate(cuda, padded=True, engine=engine)
     lm.to("cpu")
     assert graphs.replays > 0 and replayed == eager
