@@ -179,8 +179,7 @@ def test_a_padded_decode_step_runs_one_attention_per_layer(tiny: tuple[Any, Any]
     lm, tokenizer = tiny
     counts = {}
     for padded in (False, True):
-        engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id],
-                                  gpu_shapes=padded)
+        engine = GenerationEngine(lm, tokenizer, CPU, [], gpu_shapes=padded)  # no EOS: 6 rows
         scheduler = DecodingScheduler(SchedulerLimits())
         for i in range(6):
             engine.add(str(i), tokenizer(f"a b c {i}").input_ids, SamplingParams(40))
