@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: `seq in running` each step, per row
 class SeqState:
     """One generation request as the scheduler sees it."""
 
