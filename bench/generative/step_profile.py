@@ -45,7 +45,7 @@ def counted(step: Callable[[], Any], device: torch.device) -> dict[str, int]:
 
 def profile_steps(model: Any, rows: int, gpu_shapes: bool, capture: bool) -> dict[str, Any]:
     """A prefill step of `rows` prompts, then a decode step of `rows` sequences."""
-    engine = GenerationEngine(model.lm, model.tokenizer, model.device, model.eos_ids,
+    engine = GenerationEngine(model.lm, model.tokenizer, model.device, (),  # no EOS: all rows
                               max_seqs=rows, gpu_shapes=gpu_shapes)
     if capture:
         engine.capture_graphs()

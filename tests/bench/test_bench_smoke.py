@@ -94,3 +94,23 @@ def generative_bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
     assert done.returncode == 0, done.stderr[-3000:]
     [report] = tmp_path.glob("*-generative-causal_lm.json")
     return json.loads(report.read_text()), report.with_suffix(".md").read_text()
+
+
+def test_step_profile_counts_one_attention_per_layer_once_shaped_for_a_gpu(
+        tmp_path: Path) -> None:
+    import torch
+
+    from bench.generative.step_profile import profile_steps
+    from tests.rigs.tiny_lm import build_tiny_lm
+    from worker.models import create_model
+
+    model = create_model("causal_lm", {"path": str(build_tiny_lm(tmp_path))})
+    model.load(torch.device("cpu"))
+    layers = model.lm.config.n_layer
+    rowwise = profile_steps(model, 4, gpu_shapes=False, capture=False)
+    shaped = profile_steps(model, 4, gpu_shapes=True, capture=False)
+    assert rowwise["decode"]["attention calls"] == 4 * layers
+    assert shaped["decode"]["attention calls"] == layers
+    assert shaped["prefill"]["attention calls"] == layers
+    assert shaped["decode"]["aten ops"] < rowwise["decode"]["aten ops"]
+    assert shaped["decode"]["copies in"] == 1 and shaped["decode"]["host syncs"] == 0
