@@ -225,6 +225,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def command(args: argparse.Namespace) -> str:
+    """The command line that reproduces the run (a flag alone for a switch that is on)."""
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+             for k, v in vars(args).items() if k != "out" and v is not False]
+    return "python -m bench.generative.exactness " + " ".join(flags)
+
+
 def report_name(device: torch.device, dtype: str, gpu_shapes: bool) -> str:
     if device.type == "cpu" and dtype == "float32" and not gpu_shapes:
         return NAME  # the stored report, rewritten by a rerun
@@ -256,8 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     served = serve(engine, limits, requests)
     differences, rows = compare(model, requests, refs, served)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python -m bench.generative.exactness " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+              "command": command(args),
               "summary": summary(rows, differences, served),
               "limits": {**asdict(limits), "kv_tokens": limits.kv_tokens},
               "noise": noise(refs, served), "near_tie_threshold": tie_rule(args.dtype),
