@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     served = serve(engine, limits, requests)
     differences, rows = compare(model, requests, refs, served)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": command(args),
+              "command": command(args), "dtype": args.dtype,
               "summary": summary(rows, differences, served),
               "limits": {**asdict(limits), "kv_tokens": limits.kv_tokens},
               "noise": noise(refs, served), "near_tie_threshold": tie_rule(args.dtype),
