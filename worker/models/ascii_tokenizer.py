@@ -14,6 +14,7 @@ before normalising) to the tokenizer as it is. The ids are the same
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from typing import Any
 # except tab, newline and return, which are whitespace and become spaces
 CONTROLS: dict[int, str | None] = {
     **{code: None for code in (*range(0x20), 0x7F)}, 0x09: " ", 0x0A: " ", 0x0D: " "}
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a search is cheaper than translating every text
 
 
 class BatchTokenizer:
@@ -31,7 +33,7 @@ class BatchTokenizer:
         self.bare: Any = None  # the tokenizer without its normalizer, when the path applies
         self.table: dict[int, str | None] | None = None
         self.lowercase = False
-        self.specials: tuple[str, ...] = ()
+        self.specials: re.Pattern[str] | None = None
         config = json.loads(tokenizer.to_str())
         normalizer = config.get("normalizer") or {}
         if normalizer.get("type") != "BertNormalizer":
@@ -42,8 +44,10 @@ class BatchTokenizer:
         self.bare.normalizer = None
         self.table = CONTROLS if normalizer.get("clean_text", True) else None
         self.lowercase = bool(normalizer.get("lowercase", True))
-        self.specials = tuple(token["content"].lower() for token in config.get("added_tokens", [])
-                              if not token.get("normalized", True))
+        # added tokens matched before normalising, lowered: a text holding one goes whole
+        specials = [re.escape(token["content"].lower()) for token in config.get("added_tokens", [])
+                    if not token.get("normalized", True)]
+        self.specials = re.compile("|".join(specials)) if specials else None
 
     def plain(self, text: str) -> str | None:
         """The text as the normalizer would leave it, if it is ASCII with no special token
@@ -51,10 +55,12 @@ class BatchTokenizer:
         if not text.isascii():
             return None
         lowered = text.lower()
-        if any(special in lowered for special in self.specials):
+        if self.specials is not None and self.specials.search(lowered):
             return None
         cleaned = lowered if self.lowercase else text
-        return cleaned.translate(self.table) if self.table is not None else cleaned
+        if self.table is not None and CONTROL.search(cleaned):
+            return cleaned.translate(self.table)
+        return cleaned
 
     def ids_many(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text (special tokens added, truncated as the tokenizer is)."""
