@@ -121,28 +121,6 @@ def test_numpy_rows_encode_byte_for_byte_as_float_lists(size: int) -> None:
             envelope(row.tolist()), content_type)
 
 
-def test_rows_of_read_only_batches_are_cut_from_one_pass_byte_for_byte() -> None:
-    """Rows of a read-only matrix come from one packing of the whole batch (per thread, the
-    last matrix); each still encodes as its float list, a new matrix included; a writeable
-    one, a column or a slice of a row take the per-row path."""
-    rng = np.random.default_rng(7)
-    for rows, columns in ((3, 384), (5, 7), (2, 1)):
-        for _ in range(2):  # a second matrix of the same shape is packed afresh
-            matrix = rng.standard_normal((rows, columns)).astype(np.float32)
-            matrix.flags.writeable = False
-            views = [matrix[n] for n in reversed(range(rows))]
-            views += [matrix[:, 0], matrix[0, 1:], matrix[1:].ravel()]
-            for view in views:
-                assert encode_envelope(envelope(view), protocol.MSGPACK) == protocol.encode(
-                    envelope(view.tolist()), protocol.MSGPACK)
-
-
-def test_postprocess_marks_its_batch_matrix_read_only(minilm: MiniLMModel) -> None:
-    items = [minilm.prepare({"text": "a"}, 1), minilm.prepare({"text": "b"}, 1)]
-    first, _ = minilm.postprocess(torch.ones(2, 384), items)
-    assert first["embedding"].base is not None and not first["embedding"].base.flags.writeable
-
-
 def test_several_rows_and_envelopes_without_rows_encode_as_before() -> None:
     rows = np.ones((2, 4), np.float32)
     nested = {"id": "r", "ok": True, "result": [{"embedding": rows[0]}, {"e": rows[1]}],

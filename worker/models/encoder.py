@@ -183,7 +183,6 @@ class EncoderModel(Model):
         """Rows of one float32 array: the reply encoder writes them out (a float list, or
         float32 bytes when the payload asked), with no Python float per element here."""
         rows = output.float().numpy(force=True)
-        rows.flags.writeable = False  # a fresh matrix: the encoder cuts its rows from one pass
         return [{"embedding": as_float32_bytes(row) if item.data.binary else row,
                  "tokens": item.length} for row, item in zip(rows, items, strict=True)]
 
