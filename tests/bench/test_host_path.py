@@ -235,3 +235,16 @@ def test_the_host_path_benchmark_runs() -> None:
     assert done.returncode == 0, done.stderr
     printed = done.stdout
     assert "instant / echo =" in printed and "tokenise" in printed and "process" in printed
+
+
+def test_gpu_batching_gives_every_variant_a_cuda_workers_defaults() -> None:
+    from bench.throughput.host_path import Layout
+    from worker.models.echo import EchoModel
+
+    minilm = MiniLMModel.__new__(MiniLMModel)  # the class's buckets; nothing to load
+    assert Layout(2).settings(minilm) == {"instances": 2, "max_batch_size": 64}
+    gpu = Layout(1, gpu_batching=True)
+    on_cuda = gpu.settings(minilm)
+    assert on_cuda["max_batch_size"] == 512 and on_cuda["max_batch_tokens"] == 65_536
+    assert on_cuda["bucket_boundaries"] == [8, 12, 20, 32, 48, 80, 128, 192, 256]
+    assert gpu.settings(EchoModel())["bucket_boundaries"][-1] == 4096
