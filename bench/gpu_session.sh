@@ -22,7 +22,7 @@ stage() {  # stage SECONDS COMMAND...: run it, its output into the log and on th
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
 transformers.__version__)" 2>&1 | tee -a "$LOG"
-stage 190 python3 -m bench.gpu_check --checks vs-sentence-transformers overlap governor \
+stage 240 python3 -m bench.gpu_check --checks vs-sentence-transformers overlap governor \
   oom-split throughput
 stage 200 python3 -m bench.gpu_check --checks generative --out "$OUT"
 for log in /tmp/redbatch-gen-bench-*/*.log; do  # left behind only if the stage was cut short
