@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         say("gpu_check: no CUDA device on this machine; nothing to check (exit 0)")
         return 0
+    from worker.observe.log import configure_logging
+
+    configure_logging("info")  # start-up lines (graphs captured), not each batch's
     begun = time.perf_counter()
     device = torch.device(args.device)
     precision = device_precision(args.dtype, device)

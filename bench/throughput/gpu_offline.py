@@ -38,10 +38,8 @@ class Offline:
 def offline_setup(device: torch.device) -> Offline:
     """MiniLM loaded, limited and graphed as a default worker on `device` has it."""
     from worker.app import load_model
-    from worker.observe.log import configure_logging
     from worker.settings import load_settings
 
-    configure_logging("info")  # its start-up lines (graphs captured), not each batch's
     settings = on_device(load_settings(None, model="minilm", device=str(device),
                                        metrics_port=0), device.type)
     model, device = load_model(settings)
