@@ -43,8 +43,12 @@ def test_the_comparison_runs_on_a_cpu_with_the_worker_in_its_own_process() -> No
     """Seconds: 48 texts, one round, no warm-up, no sentence-transformers."""
     texts = [f"Text {n} about batching." + " word" * (n % 40) for n in range(48)]
     said: list[str] = []
-    figures = compare(None, torch.device("cpu"), said.append, texts=texts, rounds=1,
-                      repeat=2, with_st=False, warmup=False)
+    threads = torch.get_num_threads()  # loading as the worker does sets the process's
+    try:
+        figures = compare(None, torch.device("cpu"), said.append, texts=texts, rounds=1,
+                          repeat=2, with_st=False, warmup=False)
+    finally:
+        torch.set_num_threads(threads)
     assert figures["redbatch"] > 0 and figures["offline"] > 0 and "st" not in figures
     served = next(line for line in said if line.startswith("redbatch, default settings"))
     assert "dtype float32" in served and "96 requests a round" in served
