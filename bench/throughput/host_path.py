@@ -10,6 +10,10 @@ One run, one embedded Redis, one in-process worker at a time, the same payloads
   inline    (--inline) the same, tokenising on the reader thread between its reads, as a
             worker on a CPU does (worker/pipeline/prepare_stage.py)
 
+All variants batch as a CPU worker does (64 requests, the model's buckets); with
+--gpu-batching, as a CUDA worker does by default (policy/device_defaults.py: up to 512
+requests, buckets thinned to 1.5x steps), the layout an instant forward stands in for.
+
 Each round submits every payload (one pipelined XADD per request, one shared reply list)
 and times until the last reply is there; the variants take turns, round by round, and the
 median rate is reported with instant / echo. Then one instrumented pass per variant
@@ -27,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,7 @@ from worker.models import Model, create_model
 from worker.models.echo import EchoModel
 from worker.models.minilm import MiniLMModel
 from worker.pipeline.prepare_stage import PrepareStage
+from worker.policy.device_defaults import CUDA_BATCH_DEFAULTS, default_boundaries
 
 
 class InstantMiniLM(MiniLMModel):
@@ -61,16 +67,32 @@ def payloads(count: int, encoding: str | None) -> list[bytes]:
     return [protocol.encode({"text": text, **extra}, protocol.MSGPACK) for text in chosen]
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    instances: int = 1
+    gpu_batching: bool = False  # a CUDA worker's default batch limits and buckets
+
+    def settings(self, model: Model) -> dict[str, Any]:
+        """64-request batches and the model's own buckets, as on a CPU; with gpu_batching,
+        what a CUDA worker resolves to by default (policy/device_defaults.py): batches of
+        up to 512 requests, buckets thinned to 1.5x steps (fewer, fuller batches)."""
+        if not self.gpu_batching:
+            return {"instances": self.instances, "max_batch_size": 64}
+        return {"instances": self.instances, **CUDA_BATCH_DEFAULTS,
+                "bucket_boundaries": default_boundaries(model.default_bucket_boundaries,
+                                                        "cuda")}
+
+
 @contextmanager
-def serving(url: str, name: str, model: Model, instances: int) -> Iterator[None]:
+def serving(url: str, name: str, model: Model, layout: Layout) -> Iterator[None]:
     """A worker for `model` on stream `name`, in a thread, until the block ends (`inline`:
     without the prepare stage's thread)."""
     from worker.app import assemble_worker, connect
     from worker.settings import load_settings
 
     settings = load_settings(None, redis_url=url, model="echo", model_name=name,
-                             metrics_port=0, block_ms=100, instances=instances,
-                             max_batch_size=64, warmup=False)
+                             metrics_port=0, block_ms=100, warmup=False,
+                             **layout.settings(model))
     worker = assemble_worker(settings, model, Executor(model, model.device),
                              connect(url, 100))
     # `instant` as on an accelerator (the worker does so off the CPU); `inline` as on a CPU
@@ -110,23 +132,23 @@ def one_round(client: redis.Redis, name: str, data: Sequence[bytes]) -> float:
 
 
 def rates(url: str, models: dict[str, Model], data: dict[str, Sequence[bytes]], rounds: int,
-          instances: int) -> dict[str, list[float]]:
+          layout: Layout) -> dict[str, list[float]]:
     """Texts/s of each model, round by round, the variants taking turns."""
     client = redis.Redis.from_url(url)
     found: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
-            with serving(url, name, model, instances):
+            with serving(url, name, model, layout):
                 one_round(client, name, data[name][:64])  # warm: first batches of each shape
                 found[name].append(one_round(client, name, data[name]))
     return found
 
 
 def stage_costs(url: str, name: str, model: Model, data: Sequence[bytes],
-                instances: int) -> dict[str, float]:
+                layout: Layout) -> dict[str, float]:
     """CPU µs per request per stage, in one instrumented round."""
     client = redis.Redis.from_url(url)
-    with serving(url, name, model, instances):
+    with serving(url, name, model, layout):
         one_round(client, name, data[:64])
         with StageClock(model) as clock:
             one_round(client, name, data)
@@ -175,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoding", default=None,
                         help="the payload's `encoding` option for MiniLM, e.g. float32")
     parser.add_argument("--no-stages", action="store_true", help="rates only")
+    parser.add_argument("--gpu-batching", action="store_true",
+                        help="every variant with a CUDA worker's default batch limits and "
+                             "buckets (the layout the instant forward stands in for)")
     parser.add_argument("--device", default="cpu", help="e.g. cuda: the same on a GPU")
     parser.add_argument("--dtype", default="auto", help="the dtype setting, for MiniLM")
     parser.add_argument("--inline", action="store_true",
@@ -192,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             for name in models}
     with tempfile.TemporaryDirectory() as tmp, \
             RedisServer(Path(tmp), appendonly=False) as server:
-        found = rates(server.url, models, data, args.rounds, args.instances)
+        layout = Layout(args.instances, args.gpu_batching)
+        found = rates(server.url, models, data, args.rounds, layout)
         costs = {} if args.no_stages else {
-            name: stage_costs(server.url, name, model, data[name], args.instances)
+            name: stage_costs(server.url, name, model, data[name], layout)
             for name, model in models.items()}
     report(found, costs, print)
     return 0

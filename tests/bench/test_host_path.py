@@ -8,6 +8,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -119,6 +120,21 @@ def test_numpy_rows_encode_byte_for_byte_as_float_lists(size: int) -> None:
     for content_type in protocol.CONTENT_TYPES:
         assert encode_envelope(envelope(row), content_type) == protocol.encode(
             envelope(row.tolist()), content_type)
+
+
+def test_scratch_rows_are_reused_per_size_and_thread_byte_for_byte() -> None:
+    """Sizes interleaved (more than a thread keeps), and threads encoding at once."""
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal(size).astype(np.float32)
+            for size in (384, 3, 384, *range(1, 12), 384, 0)]
+
+    def check(_: int) -> bool:
+        return all(encode_envelope(envelope(row), protocol.MSGPACK)
+                   == protocol.encode(envelope(row.tolist()), protocol.MSGPACK) for row in rows)
+
+    assert check(0)
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(check, range(16)))
 
 
 def test_several_rows_and_envelopes_without_rows_encode_as_before() -> None:
@@ -235,3 +251,16 @@ def test_the_host_path_benchmark_runs() -> None:
     assert done.returncode == 0, done.stderr
     printed = done.stdout
     assert "instant / echo =" in printed and "tokenise" in printed and "process" in printed
+
+
+def test_gpu_batching_gives_every_variant_a_cuda_workers_defaults() -> None:
+    from bench.throughput.host_path import Layout
+    from worker.models.echo import EchoModel
+
+    minilm = MiniLMModel.__new__(MiniLMModel)  # the class's buckets; nothing to load
+    assert Layout(2).settings(minilm) == {"instances": 2, "max_batch_size": 64}
+    gpu = Layout(1, gpu_batching=True)
+    on_cuda = gpu.settings(minilm)
+    assert on_cuda["max_batch_size"] == 512 and on_cuda["max_batch_tokens"] == 65_536
+    assert on_cuda["bucket_boundaries"] == [8, 12, 20, 32, 48, 80, 128, 192, 256]
+    assert gpu.settings(EchoModel())["bucket_boundaries"][-1] == 4096

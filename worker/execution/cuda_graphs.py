@@ -22,6 +22,7 @@ import structlog
 import torch
 
 from worker.models.base import Model
+from worker.observe import metrics
 from worker.policy.shape_classes import ShapeClasses, shape_classes
 
 log = structlog.get_logger("redbatch.cuda_graphs")
@@ -64,6 +65,7 @@ class GraphedForward:
         static = self.static_for(batch)
         if static is None:
             self.eager += 1
+            metrics.CUDA_GRAPH_BATCHES.labels("eager").inc()
             return self.forward(batch)
         with self._turn:
             if self._free is not None:  # the buffers are free once the last output is copied
@@ -74,6 +76,7 @@ class GraphedForward:
             if self._free is not None:
                 self._free.record()
             self.replays += 1
+        metrics.CUDA_GRAPH_BATCHES.labels("replayed").inc()  # per batch: gpu_check reads it
         return output
 
     def static_for(self, batch: Any) -> StaticShape | None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from producer.embeddings import ENCODINGS, FLOAT32, FLOAT_LIST, as_float32_bytes
+from worker.models.ascii_tokenizer import BatchTokenizer
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.encoder_dir import POOLINGS, EncoderDirError, EncoderLayout, read_layout
 from worker.models.tracing import traced_or_none
@@ -112,6 +113,7 @@ class EncoderModel(Model):
         from transformers import AutoModel
 
         self.tokenizer = load_tokenizer(self.path, self.max_seq_length)
+        self.batch_tokenizer = BatchTokenizer(self.tokenizer)  # ASCII skips the normalizer
         self.device = device
         self.model = AutoModel.from_pretrained(self.path).eval().to(device, self.dtype)
         self.encoder: torch.nn.Module = SentenceEncoder(self.model, self.layout.pooling,
@@ -135,8 +137,9 @@ class EncoderModel(Model):
         return Prepared(length=len(ids), data=Sentence(ids, binary))
 
     def prepare_many(self, payloads: Sequence[tuple[Any, int]]) -> list[Prepared | Exception]:
-        """One batch call of the Rust tokenizer for a read's texts: it runs outside the GIL
-        (on its own threads), where one call per text paid the call overhead per text."""
+        """One batch call of the Rust tokenizer for a read's texts (two with ASCII ones:
+        ascii_tokenizer.py): it runs outside the GIL (on its own threads), where one call
+        per text paid the call overhead per text."""
         prepared: list[Prepared | Exception] = []
         texts: list[str] = []
         for payload, _ in payloads:
@@ -147,10 +150,10 @@ class EncoderModel(Model):
                 continue
             texts.append(text)
             prepared.append(Prepared(0, Sentence([], binary)))
-        encodings = iter(self.tokenizer.encode_batch_fast(texts) if texts else ())
+        encodings = iter(self.batch_tokenizer.ids_many(texts))
         for item in prepared:
             if isinstance(item, Prepared):
-                item.data.ids = next(encodings).ids
+                item.data.ids = next(encodings)
                 item.length = len(item.data.ids)
         return prepared
 

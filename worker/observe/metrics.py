@@ -56,6 +56,9 @@ MERGE_TOKENS = Gauge("redbatch_merge_tokens",
 OOM_EVENTS = Counter("redbatch_oom_events", "Batches that ran out of memory", ["model", "bucket"])
 OOM_SPLITS = Counter("redbatch_oom_splits", "Out-of-memory batches split in halves and retried",
                      ["model", "bucket"])
+CUDA_GRAPH_BATCHES = Counter("redbatch_cuda_graph_batches",
+                             "Forward passes where CUDA graphs were captured, by how each ran",
+                             ["how"])  # how: replayed | eager
 
 END_TO_END = Histogram("redbatch_request_seconds", "From XADD to the reply written (end to end)",
                        ["model"], buckets=LATENCY_BUCKETS)
