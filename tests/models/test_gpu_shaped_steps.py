@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.models.test_paged_attention import dense_reference, random_tables
+from tests.models.test_paged_attention import cached_rows, dense_reference
 from tests.rigs.tiny_lm import build_tiny_lm
 from worker.execution.decode_graphs import DecodeGraph, DecodeGraphs, check, static_inputs
 from worker.execution.generation import GenerationEngine
-from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_SLOT, KVPool
+from worker.execution.kv_pool import TRASH_SLOT, KVPool
 from worker.execution.paged_attention import paged_attention, stepping
 from worker.execution.step_layouts import DecodeLayout, PackedLayout
 from worker.models.generation_params import SamplingParams
@@ -58,18 +58,9 @@ def test_the_layout_pads_rows_and_reads_the_trash_block_past_each_length() -> No
 def check_random_decode(rng: random.Random, heads: int, window: int | None) -> None:
     real = rng.randint(1, 6)
     ends = [rng.randint(1, 60) for _ in range(real)]
-    pool = KVPool(LAYERS, KV_HEADS, DIM, tokens=sum(ends) + 128, dtype=torch.float32,
-                  device=CPU)
-    for tensor in (*pool.keys, *pool.values):  # unwritten slots may hold NaN: never read
-        tensor[BLOCK_TOKENS:] = float("nan")
-    tables = random_tables(rng, pool, ends)
-    layer = rng.randrange(LAYERS)
-    full_k = [torch.randn(KV_HEADS, e, DIM) for e in ends]
-    full_v = [torch.randn(KV_HEADS, e, DIM) for e in ends]
-    for table, end, k, v in zip(tables, ends, full_k, full_v, strict=True):
-        history = pool.slots(table, end - 1)  # the cache so far, as earlier steps wrote it
-        pool.keys[layer][history] = k[:, :end - 1].transpose(0, 1)
-        pool.values[layer][history] = v[:, :end - 1].transpose(0, 1)
+    # unwritten slots may hold NaN: they must never be read
+    pool, tables, layer, full_k, full_v = cached_rows(rng, [e - 1 for e in ends], ends, 128,
+                                                      unwritten=float("nan"))
     rows = real + rng.randint(0, 3)
     layout = DecodeLayout(pool, tables, ends, shape=(rows, max(ends) + rng.randint(0, 40)))
     q = torch.randn(rows, heads, 1, DIM)
@@ -100,16 +91,7 @@ def check_random_packed(rng: random.Random, heads: int, window: int | None) -> N
     rows = rng.randint(1, 5)
     starts = [rng.choice([0, rng.randint(0, 40)]) for _ in range(rows)]
     ends = [s + rng.randint(1, 20) for s in starts]
-    pool = KVPool(LAYERS, KV_HEADS, DIM, tokens=sum(ends) + 64, dtype=torch.float32,
-                  device=CPU)
-    tables = random_tables(rng, pool, ends)
-    layer = rng.randrange(LAYERS)
-    full_k = [torch.randn(KV_HEADS, e, DIM) for e in ends]
-    full_v = [torch.randn(KV_HEADS, e, DIM) for e in ends]
-    for table, start, k, v in zip(tables, starts, full_k, full_v, strict=True):
-        history = pool.slots(table, start)
-        pool.keys[layer][history] = k[:, :start].transpose(0, 1)
-        pool.values[layer][history] = v[:, :start].transpose(0, 1)
+    pool, tables, layer, full_k, full_v = cached_rows(rng, starts, ends)
     layout = PackedLayout(pool, [pool.slots(t, e).tolist() for t, e in zip(tables, ends,
                                                                              strict=True)],
                           starts, ends)

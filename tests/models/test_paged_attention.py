@@ -50,20 +50,34 @@ def random_tables(rng: random.Random, pool: KVPool, ends: list[int]) -> list[lis
     return tables
 
 
-def check_random_layout(rng: random.Random, heads: int, window: int | None) -> None:
-    rows = rng.randint(1, 5)
-    starts = [rng.choice([0, rng.randint(0, 40)]) for _ in range(rows)]
-    ends = [s + rng.choice([1, 1, rng.randint(1, 20)]) for s in starts]
-    pool = KVPool(LAYERS, KV_HEADS, DIM, tokens=sum(ends) + 64, dtype=torch.float32,
+def cached_rows(rng: random.Random, starts: list[int], ends: list[int], spare: int = 64,
+                unwritten: float | None = None
+                ) -> tuple[KVPool, list[list[int]], int, list[torch.Tensor], list[torch.Tensor]]:
+    """A pool whose rows hold, in random blocks of one random layer, their keys and values
+    up to `starts` (the cache so far, as earlier steps wrote it; every other slot but the
+    trash block's set to `unwritten` if given); each row's full keys and values up to
+    `ends`: (pool, tables, layer, keys, values)."""
+    pool = KVPool(LAYERS, KV_HEADS, DIM, tokens=sum(ends) + spare, dtype=torch.float32,
                   device=CPU)
+    if unwritten is not None:
+        for tensor in (*pool.keys, *pool.values):
+            tensor[BLOCK_TOKENS:] = unwritten
     tables = random_tables(rng, pool, ends)
     layer = rng.randrange(LAYERS)
     full_k = [torch.randn(KV_HEADS, e, DIM) for e in ends]
     full_v = [torch.randn(KV_HEADS, e, DIM) for e in ends]
     for table, start, k, v in zip(tables, starts, full_k, full_v, strict=True):
-        history = pool.slots(table, start)  # the cache so far, as earlier steps wrote it
+        history = pool.slots(table, start)
         pool.keys[layer][history] = k[:, :start].transpose(0, 1)
         pool.values[layer][history] = v[:, :start].transpose(0, 1)
+    return pool, tables, layer, full_k, full_v
+
+
+def check_random_layout(rng: random.Random, heads: int, window: int | None) -> None:
+    rows = rng.randint(1, 5)
+    starts = [rng.choice([0, rng.randint(0, 40)]) for _ in range(rows)]
+    ends = [s + rng.choice([1, 1, rng.randint(1, 20)]) for s in starts]
+    pool, tables, layer, full_k, full_v = cached_rows(rng, starts, ends)
     layout = StepLayout(pool, tables, starts, ends)
     queries = layout.queries
     q = torch.randn(rows, heads, queries, DIM)
