@@ -33,7 +33,7 @@ import torch
 
 from bench.common.paths import SENTENCES, results_dir
 from bench.generative.continuous import RecordingEngine, Request, Served, serve
-from bench.generative.exactness_report import NEAR_TIE, TOPK, markdown, summary
+from bench.generative.exactness_report import NEAR_TIE, TOPK, Difference, markdown, summary
 from worker.models.generative import kv_bytes_per_token
 from worker.policy.decoding import SchedulerLimits
 
@@ -48,33 +48,6 @@ CPU = torch.device("cpu")
 class Reference:
     tokens: list[int]
     top: list[tuple[list[float], list[int]]]  # per step: the TOPK best logits, their tokens
-
-
-@dataclass(frozen=True, slots=True)
-class Difference:
-    id: str
-    kind: str
-    prompt_len: int
-    max_new_tokens: int
-    step: int  # the index of the first differing generated token
-    reference_token: int
-    batched_token: int
-    reference_text: str
-    batched_text: str
-    reference_margin: float  # reference logits: its top-1 minus the batched run's token
-    reference_margin_exact: bool  # false: that token was not in the top TOPK, a lower bound
-    batched_margin: float | None  # batched logits: its top-1 minus the reference's token
-    threshold: float  # a margin below this is a near-tie (near_tie_threshold)
-    path: str  # how the batched run computed that step: "prefill" or "decode"
-    width: int
-    preempted: bool
-    chunks: int
-    preemptions: int
-
-    @property
-    def near_tie(self) -> bool:
-        return (self.reference_margin < self.threshold
-                and (self.batched_margin or 0.0) < self.threshold)
 
 
 def near_tie_threshold(dtype: torch.dtype, top_logit: float) -> float:

@@ -1,16 +1,43 @@
-"""The exactness report (bench/generative/exactness.py): its summary and its markdown."""
+"""The exactness report (bench/generative/exactness.py): a difference, the summary, the markdown."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bench.generative.continuous import Served
-    from bench.generative.exactness import Difference
 
 NEAR_TIE = 0.01  # a difference whose margins are both below this is float noise, not a bug
 TOPK = 20  # reference logits kept per step, for the margin of the batched run's token
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    id: str
+    kind: str
+    prompt_len: int
+    max_new_tokens: int
+    step: int  # the index of the first differing generated token
+    reference_token: int
+    batched_token: int
+    reference_text: str
+    batched_text: str
+    reference_margin: float  # reference logits: its top-1 minus the batched run's token
+    reference_margin_exact: bool  # false: that token was not in the top TOPK, a lower bound
+    batched_margin: float | None  # batched logits: its top-1 minus the reference's token
+    threshold: float  # a margin below this is a near-tie (near_tie_threshold)
+    path: str  # how the batched run computed that step: "prefill" or "decode"
+    width: int
+    preempted: bool
+    chunks: int
+    preemptions: int
+
+    @property
+    def near_tie(self) -> bool:
+        return (self.reference_margin < self.threshold
+                and (self.batched_margin or 0.0) < self.threshold)
 
 
 def markdown(report: Mapping[str, Any], differences: Sequence[Difference]) -> str:

@@ -8,20 +8,33 @@ of /v1/embeddings is: the dispatcher sends them in one pipeline and waits on one
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from producer.gateway import errors, metrics
-from producer.gateway.discovery import ModelState
+from producer.gateway.discovery import Discovery, ModelState
+from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
 from producer.gateway.jsonio import FastJSONResponse as JSONResponse
 from producer.gateway.rerank_shapes import parse_rerank_request, rerank_response, worker_payloads
+from producer.gateway.settings import GatewaySettings
 from producer.liveness import Kind
 
-if TYPE_CHECKING:
-    from producer.gateway.app import Gateway
+
+class Gateway(Protocol):
+    """What the route needs of the app's gateway (app.py), which imports this module."""
+
+    settings: GatewaySettings
+    dispatcher: Dispatcher
+    discovery: Discovery
+
+    def authorize(self, request: Request) -> None: ...
+
+    async def json_body(self, request: Request) -> Any: ...
+
+    async def require_live(self, model: str, kind: Kind) -> None: ...
 
 
 async def rerank(request: Request) -> Response:

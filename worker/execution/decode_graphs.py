@@ -19,22 +19,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 import torch
 
+from worker.execution.kv_pool import KVPool
 from worker.execution.step_layouts import DecodeLayout
 from worker.policy.shape_classes import ShapeClasses
-
-if TYPE_CHECKING:
-    from worker.execution.generation import GenerationEngine
 
 log = structlog.get_logger("redbatch.decode_graphs")
 Shape = tuple[int, int]  # (rows, context length class)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture: lazy initialisation settles
 CHECK_SPREAD = 16  # the check's rows read 1..16 tokens of the trash block
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.1}  # logits
+
+
+class Engine(Protocol):
+    """What a capture needs of the engine (execution/generation.py)."""
+
+    device: torch.device
+    pool: KVPool
+
+    def logits(self, ids: torch.Tensor, layout: Any) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -69,7 +76,7 @@ class DecodeGraphs:
         return graph
 
     @classmethod
-    def capture(cls, engine: GenerationEngine, shapes: ShapeClasses) -> DecodeGraphs | None:
+    def capture(cls, engine: Engine, shapes: ShapeClasses) -> DecodeGraphs | None:
         """Every class of `shapes`, the largest first, in one memory pool; None (and one log
         line) without CUDA or when a capture fails or disagrees with the eager forward."""
         if engine.device.type != "cuda":  # the worker said so at start (cuda_graphs.py)
@@ -96,13 +103,13 @@ class DecodeGraphs:
         return cls(graphs)
 
 
-def static_inputs(engine: GenerationEngine, shape: Shape) -> tuple[torch.Tensor, DecodeLayout]:
+def static_inputs(engine: Engine, shape: Shape) -> tuple[torch.Tensor, DecodeLayout]:
     """Buffers of the class's shape: every row padding (the trash block, one key)."""
     layout = DecodeLayout(engine.pool, [], [], shape)
     return torch.zeros(shape[0], 1, dtype=torch.long, device=engine.device), layout
 
 
-def capture_one(engine: GenerationEngine, shape: Shape, pool: Any) -> DecodeGraph:
+def capture_one(engine: Engine, shape: Shape, pool: Any) -> DecodeGraph:
     """The engine's forward on the class's static buffers, captured after eager runs on a
     side stream (as torch.cuda.graph asks: lazy initialisation must not be captured)."""
     ids, layout = static_inputs(engine, shape)
@@ -121,7 +128,7 @@ def capture_one(engine: GenerationEngine, shape: Shape, pool: Any) -> DecodeGrap
     return DecodeGraph(ids, layout, logits, graph)
 
 
-def check(engine: GenerationEngine, graph: DecodeGraph) -> None:
+def check(engine: Engine, graph: DecodeGraph) -> None:
     """Replay on inputs unlike the captured ones (rows of different lengths and tokens, on
     the trash block), against the eager forward on the same. Rows that write the same
     slot carry the same token at the same position, so which write lands does not matter."""

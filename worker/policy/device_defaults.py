@@ -14,10 +14,21 @@ settings out; a setting the user set is never replaced.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Self, TypeVar
 
-if TYPE_CHECKING:
-    from worker.settings import Settings
+
+class Configured(Protocol):
+    """Settings as this needs them (worker/settings.py's pydantic model): which fields the
+    user set, and a copy with some changed."""
+
+    @property
+    def model_fields_set(self) -> set[str]: ...
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> Self: ...
+
+
+SettingsT = TypeVar("SettingsT", bound=Configured)
 
 CUDA_BATCH_DEFAULTS: Mapping[str, int] = {
     "max_batch_size": 512,  # sentence-transformers' best batch on an H200 (issue 31)
@@ -38,7 +49,7 @@ def device_defaults(device_type: str, set_fields: Collection[str]) -> dict[str, 
             if name not in set_fields}
 
 
-def on_device(settings: Settings, device_type: str) -> Settings:
+def on_device(settings: SettingsT, device_type: str) -> SettingsT:
     """`settings` with the device's defaults for what the user did not set (a CPU's: the
     settings unchanged); applying it twice changes nothing more."""
     changes = device_defaults(device_type, settings.model_fields_set)
