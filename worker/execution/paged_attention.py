@@ -95,15 +95,13 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
         raise NotImplementedError("paged attention has no logit soft-capping or sinks")
     layer = module.layer_idx
     layout.attended += 1
-    if isinstance(layout, DecodeLayout):
-        return decode_attention(query, key, value, layout, layer, scaling,
-                                kwargs.get("sliding_window")), None
-    if isinstance(layout, PackedLayout):
-        return packed_attention(query, key, value, layout, layer, scaling,
-                                kwargs.get("sliding_window")), None
-    keys = _put_and_gather(layout.pool.keys[layer], key, layout)
-    values = _put_and_gather(layout.pool.values[layer], value, layout)
     window = kwargs.get("sliding_window")
+    if isinstance(layout, DecodeLayout):
+        return decode_attention(query, key, value, layout, layer, scaling, window), None
+    if isinstance(layout, PackedLayout):
+        return packed_attention(query, key, value, layout, layer, scaling, window), None
+    keys = _put_and_gather(layout.pool.keys[layer], key, layout.write, layout.history)
+    values = _put_and_gather(layout.pool.values[layer], value, layout.write, layout.history)
     out = query.new_zeros(layout.rows, layout.queries, query.shape[1], query.shape[3])
     for row in range(layout.rows):
         start, end, offset = layout.starts[row], layout.ends[row], layout.offsets[row]
@@ -121,11 +119,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     dim], key and value [rows, kv_heads, 1, dim]; returns [rows, 1, heads, dim]."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    gathered = []
-    for pool, new in ((layout.pool.keys[layer], key), (layout.pool.values[layer], value)):
-        pool.index_copy_(0, layout.write, new[:, :, 0])
-        gathered.append(pool.index_select(0, layout.read)
-                        .view(rows, layout.length, kv_heads, dim).transpose(1, 2))
+    gathered = [_put_and_gather(pool, new, layout.write, layout.read)
+                .view(rows, layout.length, kv_heads, dim).transpose(1, 2)
+                for pool, new in ((layout.pool.keys[layer], key),
+                                  (layout.pool.values[layer], value))]
     # grouped query heads ride as queries of their KV head, as attend() does for one row
     q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
     out = F.scaled_dot_product_attention(q, gathered[0], gathered[1],
@@ -140,23 +137,23 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     one attention call masked to each token's own sequence up to itself. query [1, heads,
     queries, dim], key and value [1, kv_heads, queries, dim]; returns [1, queries, heads,
     dim]."""
-    heads, kv_heads = query.shape[1], key.shape[1]
-    gathered = []
-    for pool, new in ((layout.pool.keys[layer], key), (layout.pool.values[layer], value)):
-        pool.index_copy_(0, layout.write, new[0].transpose(0, 1))
-        history = pool.index_select(0, layout.read).transpose(0, 1)[None]
-        gathered.append(history.repeat_interleave(heads // kv_heads, dim=1))
+    groups = query.shape[1] // key.shape[1]
+    gathered = [_put_and_gather(pool, new, layout.write, layout.read).transpose(0, 1)[None]
+                .repeat_interleave(groups, dim=1)
+                for pool, new in ((layout.pool.keys[layer], key),
+                                  (layout.pool.values[layer], value))]
     out = F.scaled_dot_product_attention(query, gathered[0], gathered[1],
                                          attn_mask=layout.visible(window), scale=scaling)
     return out.transpose(1, 2)
 
 
-def _put_and_gather(pool: torch.Tensor, new: torch.Tensor, layout: StepLayout) -> torch.Tensor:
-    """Write the new tokens into their slots, then read every row's history, unpadded:
-    [sum of ends, kv_heads, dim]."""
+def _put_and_gather(pool: torch.Tensor, new: torch.Tensor, write: torch.Tensor,
+                    read: torch.Tensor) -> torch.Tensor:
+    """Write the new tokens ([rows, kv_heads, queries, dim]) into their `write` slots, then
+    read the `read` slots: [len(read), kv_heads, dim]."""
     heads, dim = new.shape[1], new.shape[3]
-    pool.index_copy_(0, layout.write, new.transpose(1, 2).reshape(-1, heads, dim))
-    return pool.index_select(0, layout.history)
+    pool.index_copy_(0, write, new.transpose(1, 2).reshape(-1, heads, dim))
+    return pool.index_select(0, read)
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
