@@ -60,3 +60,58 @@ def test_a_tokenizer_without_a_bert_normalizer_goes_through_whole(tokenizer: Any
     batch = BatchTokenizer(other)
     assert batch.bare is None
     assert batch.ids_many(["Mixed Case", "ok"]) == whole(other, ["Mixed Case", "ok"])
+
+
+def random_ascii_texts(count: int, seed: int) -> list[str]:
+    """Word-like runs of letters, digits and punctuation between spaces, of every length."""
+    rng = random.Random(seed)
+    alphabet = [chr(code) for code in range(32, 127)]
+    words = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 14))) for _ in range(500)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(0, 40))) for _ in range(count)]
+
+
+def test_the_word_piece_cache_gives_the_whole_tokenizers_ids(tokenizer: Any) -> None:
+    batch = BatchTokenizer(tokenizer)
+    assert batch.words is not None, "MiniLM is BERT WordPiece: the word cache applies"
+    texts = random_ascii_texts(1000, 7)
+    first, again = batch.ids_many(texts), batch.ids_many(texts)  # learning, then all cached
+    assert first == again == whole(tokenizer, texts)
+    assert batch.words.cache, "seen words are cached"
+
+
+def test_the_cache_is_bounded_and_long_words_are_not_kept(tokenizer: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.models import ascii_tokenizer
+
+    monkeypatch.setattr(ascii_tokenizer, "CACHED_WORDS", 50)
+    batch = BatchTokenizer(tokenizer)
+    assert batch.words is not None
+    texts = [*random_ascii_texts(200, 8), "supercalifragilisticexpialidocious" * 3]
+    assert batch.ids_many(texts) == whole(tokenizer, texts)  # words past the bound still right
+    assert len(batch.words.cache) <= 50
+    assert not any(len(word) > ascii_tokenizer.CACHED_WORD_CHARS for word in batch.words.cache)
+
+
+def test_short_truncation_is_kept(tokenizer: Any) -> None:
+    from tokenizers import Tokenizer
+
+    short = Tokenizer.from_str(tokenizer.to_str())
+    short.enable_truncation(8)
+    batch = BatchTokenizer(short)
+    assert batch.words is not None
+    texts = ["one two three four five six seven eight nine", "a b", "tokenization unaffable x"]
+    assert batch.ids_many(texts) == whole(short, texts)
+    short.enable_truncation(8, direction="left")  # kept from the end: the tokenizer's own
+    batch = BatchTokenizer(short)
+    assert batch.words is None and batch.ids_many(texts) == whole(short, texts)
+
+
+def test_another_pre_tokenizer_keeps_the_tokenizers_split(tokenizer: Any) -> None:
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    other = Tokenizer.from_str(tokenizer.to_str())
+    other.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "it's," is one word here
+    batch = BatchTokenizer(other)
+    assert batch.bare is not None and batch.words is None
+    texts = ["it's, a test.", *random_ascii_texts(50, 9)]
+    assert batch.ids_many(texts) == whole(other, texts)
