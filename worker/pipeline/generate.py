@@ -4,10 +4,11 @@ It replaces the compute loops when the model is generative (`Model.generative`).
 steps it takes every request the intake queued (the batcher is its inbox: one FIFO bucket,
 deadlines checked) into the scheduler (policy/decoding.py), runs a step on the engine
 (execution/generation.py), and writes the step's text chunks with its cancel check in one
-round trip (streams/token_streams.py); a prefilled request's first chunk goes out as soon as
-its own forward is done. Finished requests become answers for the reply thread, which writes
-the `done` entry (or the list reply) with the XACK, ownership-checked. The chunks are sent
-from here (through RedisRetry): a chunk must be out before the next step.
+round trip (streams/token_streams.py), on the chunk writer's thread while the next step runs
+(pipeline/chunk_writer.py); a prefilled request's first chunk is queued as soon as its own
+forward is done. Finished requests become answers for the reply thread, which writes the
+`done` entry (or the list reply) with the XACK, ownership-checked; they are queued behind
+their chunks, so a `done` entry never overtakes them.
 
 Durability: a redelivered request (claimed from a dead consumer, or our own after a restart)
 continues from what its reply stream holds: the prompt and the tokens already streamed are
@@ -32,6 +33,7 @@ from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
 from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer
+from worker.pipeline.chunk_writer import ChunkWriter
 from worker.pipeline.generative_envelopes import (
     delta_envelope,
     final_answer,
@@ -79,6 +81,7 @@ class GenerateLoop:
         self.engine, self.scheduler, self.batcher = engine, scheduler, batcher
         self.inflight, self.answers, self.grace = inflight, answers, grace
         self.streams, self.retry = streams, retry
+        self.writer = ChunkWriter(streams, retry, answers)
         self.live: dict[str, Live] = {}
         self.steps = 0
         self._next_keepalive = time.monotonic() + config.keepalive_s
@@ -86,15 +89,20 @@ class GenerateLoop:
     def run(self) -> None:
         """Step while anything runs or waits; block for work when idle; return once
         reading has stopped and nothing is left, or the shutdown grace has passed."""
-        while self.take(block=not len(self.scheduler)):
-            self.keep_alive()
-            if len(self.scheduler):
-                self.step()
+        try:
+            while self.take(block=not len(self.scheduler)):
+                self.keep_alive()
+                if len(self.scheduler):
+                    self.step()
+        finally:
+            self.writer.close()
 
     # --- intake side --------------------------------------------------------------------------
 
     def take(self, block: bool) -> bool:
         """Move what the intake queued into the scheduler; False when the loop should end."""
+        if block:  # idle: the last step's write is out first (and a failure of it raised)
+            self.writer.wait()
         with self.inflight.lock:
             members, expired = self._drain()
             while block and not members and not expired:
@@ -205,14 +213,14 @@ class GenerateLoop:
             self._fail_all(plan, exc)
             return
         self.steps += 1
-        cancelled = self._write([d for d in output.deltas if d.id not in early])
+        chunks = self._chunks([d for d in output.deltas if d.id not in early])
+        cancelled = self.writer.wait()  # the previous step's check, out while this step ran
         reasons = {d.id: d.finish_reason for d in output.deltas if d.finish_reason}
         gone = [s.id for s in self.scheduler.update(output.finished)]
         gone += [c for c in cancelled if c not in gone and self.scheduler.remove(c)]
         answers = [self._finish(i, reasons.get(i) or "cancelled") for i in gone]
         answers += self._expire()
-        if answers:
-            self.answers.put(answers)
+        self.writer.write(chunks, self._cancel_keys(), answers)
         metrics.record_step(self.config.model_name, time.perf_counter() - started,
                             len(output.deltas), len(plan.preempted),
                             len(self.scheduler.running), len(self.scheduler.waiting))
@@ -220,19 +228,15 @@ class GenerateLoop:
                   tokens=plan.tokens, preempted=len(plan.preempted), finished=len(gone))
 
     def _write_first(self, delta: Delta, early: set[str]) -> None:
-        """A prefilled sequence's token, written as soon as it is sampled (mid-step)."""
+        """A prefilled sequence's token, queued as soon as it is sampled (mid-step)."""
         early.add(delta.id)
         if chunks := self._chunks([delta]):
-            self.retry(self.streams.write, chunks, [])
+            self.writer.write(chunks)
 
-    def _write(self, deltas: list[Delta]) -> set[str]:
-        """The step's chunks, and the cancel check of every live request, in one round
-        trip; returns the entry ids cancelled."""
-        ids = list(self.live)
-        keys = [protocol.cancel_key(self.config.namespace, self.live[i].pending.request.id)
-                for i in ids]
-        flags = self.retry(self.streams.write, self._chunks(deltas), keys)
-        return {i for i, flag in zip(ids, flags, strict=True) if flag}
+    def _cancel_keys(self) -> dict[str, str]:
+        """Every live request's cancel key, by entry id."""
+        return {i: protocol.cancel_key(self.config.namespace, live.pending.request.id)
+                for i, live in self.live.items()}
 
     def _chunks(self, deltas: list[Delta]) -> list[Chunk]:
         """The reply stream entries of these deltas (and their first-token times)."""
@@ -291,5 +295,5 @@ class GenerateLoop:
         (the step may have left their caches half-updated)."""
         self.scheduler.update()
         message = f"{type(exc).__name__}: {exc}"
-        self.answers.put([self._stop(i, ErrorCode.MODEL_ERROR, message)
-                          for i in list(self.live)])
+        self.writer.write([], None, [self._stop(i, ErrorCode.MODEL_ERROR, message)
+                                     for i in list(self.live)])
