@@ -138,9 +138,9 @@ async def retrieve_model(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     gateway.authorize(request)
     name = request.path_params["model"]
-    for model, created in await gateway.discovery.live_models():
-        if model == name:
-            return JSONResponse(model_object(model, created))
+    for listed in await gateway.discovery.live_models():
+        if listed.name == name:
+            return JSONResponse(model_object(*listed))
     raise errors.unknown_model(name)
 
 

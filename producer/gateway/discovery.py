@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -47,6 +47,14 @@ class ModelInfo:
     created_s: int | None = None  # when its longest-running worker started
 
 
+class Listed(NamedTuple):
+    """A model with a live worker, as /v1/models lists it."""
+
+    name: str
+    created: int  # Unix seconds: when its longest-running live worker started
+    kind: Kind | None  # None: its workers did not say, or disagree
+
+
 class Discovery:
     """Model states per process, each reused for `cache_s` seconds when live."""
 
@@ -58,7 +66,7 @@ class Discovery:
         self.idle_ms = idle_s * 1000
         self.cache_s = cache_s
         self._live: dict[str, tuple[float, ModelInfo]] = {}  # until when, what
-        self._listed: tuple[float, list[tuple[str, int]]] | None = None  # until when, what
+        self._listed: tuple[float, list[Listed]] | None = None  # until when, what
 
     async def info(self, model: str) -> ModelInfo:
         """The model's state; a live answer is cached, others are asked again each time."""
@@ -88,10 +96,10 @@ class Discovery:
             return ModelInfo(ModelState.LIVE, kind, created)
         return ModelInfo(ModelState.NO_WORKER, kind, created)
 
-    async def live_models(self) -> list[tuple[str, int]]:
-        """(model, created Unix s) of every model with a live worker, sorted by name; created
-        is when its longest-running live worker started (else the stream's oldest entry).
-        Reused for `cache_s`."""
+    async def live_models(self) -> list[Listed]:
+        """Every model with a live worker, sorted by name; created is when its
+        longest-running live worker started (else the stream's oldest entry), kind what its
+        live workers announce. Reused for `cache_s`."""
         if self._listed is not None and self._listed[0] > time.monotonic():
             return self._listed[1]
         now_ms = time.time() * 1000
@@ -108,8 +116,9 @@ class Discovery:
             live = live_workers(announced(raw), now_ms, self.idle_ms)
             starts = [w["started_ms"] for w in live if isinstance(w.get("started_ms"), int)]
             if live:
-                found.append((model, min(starts) // 1000 if starts else await self._created(
-                    protocol.stream_key(self.namespace, model))))
+                created = min(starts) // 1000 if starts else await self._created(
+                    protocol.stream_key(self.namespace, model))
+                found.append(Listed(model, created, kind_of(live)))
         self._listed = (time.monotonic() + self.cache_s, found)
         return found
 

@@ -116,10 +116,13 @@ def embedding_of(result: Any) -> list[float]:
     return embedding
 
 
-def models_response(models: Sequence[tuple[str, int]]) -> dict[str, Any]:
-    """(name, created Unix seconds) pairs as OpenAI's model list."""
-    return {"object": "list", "data": [model_object(name, created) for name, created in models]}
+def models_response(models: Sequence[tuple[str, int, str | None]]) -> dict[str, Any]:
+    """(name, created Unix seconds, kind) triples as OpenAI's model list."""
+    return {"object": "list", "data": [model_object(*model) for model in models]}
 
 
-def model_object(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "redbatch"}
+def model_object(name: str, created: int, kind: str | None) -> dict[str, Any]:
+    """OpenAI's model object, and what the model serves (`kind`: embedding, generative,
+    reranker; null when its workers did not say), so a client can pick the route."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "redbatch",
+            "kind": kind}

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from producer.gateway import errors, metrics
-from producer.gateway.discovery import Discovery, ModelState
+from producer.gateway.discovery import Discovery
 from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
 from producer.gateway.jsonio import FastJSONResponse as JSONResponse
@@ -53,11 +53,8 @@ async def rerank(request: Request) -> Response:
 
 async def only_reranker(gateway: Gateway) -> str:
     """The model of a body that names none: the one reranker with a live worker."""
-    found = []
-    for model, _ in await gateway.discovery.live_models():
-        info = await gateway.discovery.info(model)
-        if info.state is ModelState.LIVE and info.kind is Kind.RERANKER:
-            found.append(model)
+    found = [listed.name for listed in await gateway.discovery.live_models()
+             if listed.kind is Kind.RERANKER]
     if len(found) != 1:
         live = f"the live rerankers are {found}" if found else "no reranker has a live worker"
         raise ApiError(400 if found else 404, f"'model' is required: {live}",

@@ -146,6 +146,7 @@ def test_models_lists_models_with_live_workers(r: redis.Redis, worker_factory: A
     assert raw["data"][0]["object"] == "model" and raw["data"][0]["owned_by"] == "redbatch"
     assert isinstance(raw["data"][0]["created"], int)
     assert raw["data"][0]["created"] > 1_700_000_000  # its worker's start, not 0
+    assert raw["data"][0]["kind"] == "embedding", "what its worker announces: the route to use"
 
 
 def test_models_retrieve_one_model(worker_factory: Any, gateway_factory: Any) -> None:
@@ -153,6 +154,7 @@ def test_models_retrieve_one_model(worker_factory: Any, gateway_factory: Any) ->
         model = sdk(base_url).models.retrieve("echo")
         missing = httpx.get(f"{base_url}/v1/models/nope")
     assert (model.id, model.object, model.owned_by) == ("echo", "model", "redbatch")
+    assert model.model_dump()["kind"] == "embedding"
     assert_openai_error(missing, 404, "model_not_found")
 
 

@@ -57,7 +57,7 @@ def listed_models(url: str) -> list[str]:
             found = await Discovery(client, "redbatch", "workers", 30, 0).live_models()
         finally:
             await client.aclose()
-        return [model for model, _ in found]
+        return [listed.name for listed in found]
 
     return asyncio.run(read())
 

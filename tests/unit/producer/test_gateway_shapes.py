@@ -96,8 +96,11 @@ def test_responses() -> None:
                     "data": [{"object": "embedding", "index": 0, "embedding": [0.5]},
                              {"object": "embedding", "index": 1, "embedding": [0.25]}],
                     "usage": {"prompt_tokens": 7, "total_tokens": 7}}
-    assert models_response([("echo", 12)]) == {"object": "list", "data": [
-        {"id": "echo", "object": "model", "created": 12, "owned_by": "redbatch"}]}
+    assert models_response([("echo", 12, "embedding"), ("x", 13, None)]) == {
+        "object": "list", "data": [
+            {"id": "echo", "object": "model", "created": 12, "owned_by": "redbatch",
+             "kind": "embedding"},
+            {"id": "x", "object": "model", "created": 13, "owned_by": "redbatch", "kind": None}]}
     with pytest.raises(ApiError) as raised:
         embedding_of({"text": "echoed"})
     assert raised.value.status == 500
