@@ -114,3 +114,20 @@ def test_step_profile_counts_one_attention_per_layer_once_shaped_for_a_gpu(
     assert shaped["prefill"]["attention calls"] == layers
     assert shaped["decode"]["aten ops"] < rowwise["decode"]["aten ops"]
     assert shaped["decode"]["copies in"] == 1 and shaped["decode"]["host syncs"] == 0
+
+
+@pytest.mark.slow
+def test_the_generative_host_path_benchmark_runs() -> None:
+    """In a process of its own (it configures logging for the whole process); each round
+    checks a request's reply stream: every token streamed, then its done entry. ~20 s, most
+    of it SmolLM2's GGUF load: the benchmark serves the real tokenizer and model config."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "bench.generative.host_path", "--requests", "6",
+                           "--tokens", "5", "--concurrency", "4", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "tokens/s: median" in done.stdout and "host ms per decode step" in done.stdout

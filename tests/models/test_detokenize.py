@@ -119,3 +119,19 @@ def test_a_step_decodes_a_short_window_however_long_the_answer(tmp_path: Path) -
     state = TextState(SamplingParams(len(tokens)), frozenset())
     streamed(tokens, decode, state)
     assert len(tokens) > 60 and max(longest) <= 8
+
+
+def test_the_rust_decode_is_the_tokenizers_decode(tokenizers: list[Any]) -> None:
+    """decoder_of skips the Hugging Face wrapper where it adds nothing: the same text for
+    every window, special tokens and split UTF-8 characters included."""
+    from worker.execution.detokenize import decoder_of
+
+    rng = random.Random(5)
+    for tokenizer in tokenizers:
+        fast, slow = decoder_of(tokenizer), decoder(tokenizer)
+        ids = [i for text in TEXTS for i in tokenizer(text).input_ids]
+        specials = list(tokenizer.all_special_ids)
+        windows = [ids[a:b] for a in range(0, len(ids), 3) for b in (a + 1, a + 2, a + 7)]
+        windows += [rng.sample(ids + specials, 6) for _ in range(200)]
+        assert [fast(w) for w in windows] == [slow(w) for w in windows]
+    assert any(decoder_of(t).__name__ == "rust" for t in tokenizers), "the Rust path is taken"

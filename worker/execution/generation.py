@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from worker.execution.decode_graphs import DecodeGraphs
-from worker.execution.detokenize import Delta, TextState
+from worker.execution.detokenize import Delta, TextState, decoder_of
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import Layout, stepping, use_paged_attention
 from worker.execution.sampling import RowDraws, choose_tokens
@@ -98,6 +98,7 @@ class GenerationEngine:
         one forward (default: on CUDA only)."""
         self.lm = lm
         self.tokenizer = tokenizer
+        self.decode = decoder_of(tokenizer)
         self.device = device
         self.eos_ids = frozenset(eos_ids)
         self.seqs: dict[str, EngineSeq] = {}
@@ -128,9 +129,6 @@ class GenerationEngine:
             self._forget(seq)
             seq.text.flush(self.decode)
         return seq
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     @torch.inference_mode()
     def step(self, plan: StepPlan,
