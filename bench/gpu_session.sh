@@ -24,10 +24,11 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 transformers.__version__)" 2>&1 | tee -a "$LOG"
 stage 170 python3 -m bench.gpu_check --checks vs-sentence-transformers overlap governor \
   oom-split throughput
-stage 300 python3 -m bench.gpu_check --checks generative --out "$OUT"
+stage 270 python3 -m bench.gpu_check --checks generative --out "$OUT"
 for log in /tmp/redbatch-gen-bench-*/*.log; do  # left behind only if the stage was cut short
   [ -f "$log" ] && { echo "--- $log"; tail -40 "$log"; } | tee -a "$LOG"
 done
+stage 40 python3 -m bench.generative.host_path --device cuda --rounds 2
 stage 30 python3 -m pytest -q -p no:cacheprovider --timeout 30 -k "cuda or precision or gpu_shaped" \
   tests/unit/execution/test_devices.py tests/unit/execution/test_sampling_batch.py \
   tests/models/test_engine_step.py tests/models/test_gpu_shaped_steps.py \

@@ -14,6 +14,10 @@ entry is written (the model's answered counter); a first round warms, then the m
 counted rounds is reported, with host milliseconds per decode step.
 
     python -m bench.generative.host_path [--requests 192] [--tokens 64] [--concurrency 64]
+                                         [--device cuda]
+
+On a GPU (`--device cuda`, bench/gpu_session.sh) the token choice runs there, as it does
+when serving, and no CUDA graph is captured: every step's forward is the instant one.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import redis
 import torch
 
 from producer import protocol
+from worker.execution.executor import device_precision, resolve_device
 from worker.execution.generation import GenerationEngine
 from worker.execution.paged_attention import Layout
 from worker.models import create_model
@@ -64,7 +69,7 @@ def serving(url: str, model: CausalLM, concurrency: int) -> Iterator[GenerationE
     from worker.settings import load_settings
 
     settings = load_settings(None, redis_url=url, model=MODEL, metrics_port=0, block_ms=100,
-                             warmup=False, max_inflight=4 * concurrency)
+                             warmup=False, max_inflight=4 * concurrency, cuda_graphs=False)
     worker = assemble_worker(settings, model, Executor(model, model.device),
                              connect(url, 100))
     loop = worker.computes[0]
@@ -90,7 +95,7 @@ def one_round(client: redis.Redis, requests: int, tokens: int) -> float:
     started = time.perf_counter()
     pipe = client.pipeline(transaction=False)
     for n in range(requests):
-        pipe.xadd(stream, protocol.entry_fields(f"h{tag}-{n}", payload))
+        pipe.xadd(stream, protocol.entry_fields(f"h{tag}-{n}", payload))  # type: ignore[arg-type]
     pipe.execute()
     deadline = started + 600
     while int(client.get(answered) or 0) < start + requests:
@@ -105,7 +110,7 @@ def one_round(client: redis.Redis, requests: int, tokens: int) -> float:
 def check_answer(client: redis.Redis, request_id: str, tokens: int) -> None:
     """A request's reply stream ends in a successful `done` entry of `tokens` tokens."""
     key = protocol.token_stream_key(protocol.DEFAULT_NAMESPACE, request_id)
-    entries = client.xrange(key)
+    entries: Any = client.xrange(key)
     done = protocol.decode_envelope(entries[-1][1][b"data"]) if entries else {}
     if done.get("type") != "done" or not done.get("ok") or \
             done["result"]["tokens"] != tokens or len(entries) != tokens + 1:
@@ -121,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from worker.observe.log import configure_logging
@@ -129,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning", "console")
     model: Any = create_model(MODEL, {"max_seqs": args.concurrency,
                                       "max_new_tokens_limit": max(1024, args.tokens)})
-    model.load(torch.device("cpu"))
+    device = resolve_device(args.device)
+    model.dtype = getattr(torch, device_precision("auto", device).dtype)
+    model.load(device)
     rates = []
     with tempfile.TemporaryDirectory() as tmp, \
             RedisServer(Path(tmp), appendonly=False) as server:
@@ -140,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 if counted:
                     rates.append(rate)
     median = statistics.median(rates)
-    print(f"{MODEL}, instant forward, {args.requests} requests x {args.tokens} tokens, "
-          f"{args.concurrency} at a time, streamed")
+    print(f"{MODEL} on {device}, instant forward, {args.requests} requests x {args.tokens} "
+          f"tokens, {args.concurrency} at a time, streamed")
     print(f"tokens/s: median {median:.0f} (rounds: {', '.join(f'{r:.0f}' for r in rates)})")
     print(f"host ms per decode step of {args.concurrency} rows: "
           f"{args.concurrency / median * 1000:.2f}")
