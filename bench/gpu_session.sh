@@ -22,9 +22,9 @@ stage() {  # stage SECONDS COMMAND...: run it, its output into the log and on th
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
 transformers.__version__)" 2>&1 | tee -a "$LOG"
-stage 170 python3 -m bench.gpu_check --checks vs-sentence-transformers overlap governor \
+stage 200 python3 -m bench.gpu_check --checks vs-sentence-transformers overlap governor \
   oom-split throughput
-stage 270 python3 -m bench.gpu_check --checks generative --out "$OUT"
+stage 250 python3 -m bench.gpu_check --checks generative --out "$OUT"
 for log in /tmp/redbatch-gen-bench-*/*.log; do  # left behind only if the stage was cut short
   [ -f "$log" ] && { echo "--- $log"; tail -40 "$log"; } | tee -a "$LOG"
 done

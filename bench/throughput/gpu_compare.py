@@ -4,7 +4,10 @@ On one mixed-length corpus (bench/common/corpus.py: thousands of docstring parag
   redbatch      `python -m worker run --model minilm --device <device>` as its own process at
                 default settings (the device's dtype, batch limits, buckets, instances and
                 CUDA graphs), this process only its producer, through Redis: the corpus sent
-                4 times a round, the median of 3 rounds (bench/throughput/gpu_served.py)
+                4 times a round, the median of 3 rounds (bench/throughput/gpu_served.py);
+                then the same with 4 worker processes on the one device (as `--processes
+                4` runs them): a process's host path has one GIL, and on a fast GPU that,
+                not the device, bounds it (issue 31)
   offline       redbatch's own limit with the same model, limits and graphs, no Redis
                 (bench/throughput/gpu_offline.py), two ways: forward only (pre-tokenised)
                 and end to end (tokenising with the model's batched `prepare_many` inside the
@@ -33,6 +36,7 @@ from bench.throughput.gpu_offline import end_to_end, forward_only, offline_setup
 from bench.throughput.gpu_served import Served, redbatch_served
 
 CORPUS_TEXTS = 8000
+MORE_PROCESSES = 4  # the second served figure's worker processes (the first: one)
 ROUNDS, REPEAT = 3, 4  # 3 rounds of the corpus sent 4 times: 32,000 requests each
 ST_BATCH_SIZES = (32, 128, 512)
 ST_GOAL, OFFLINE_GOAL = 1.5, 0.8  # redbatch's throughput over ST's best, and over offline
@@ -112,17 +116,25 @@ def served_lines(served: Served, say: Say) -> None:
 
 def compare(model: Any, device: torch.device, say: Say = say_now,
             texts: Sequence[str] | None = None, rounds: int = ROUNDS, repeat: int = REPEAT,
-            with_st: bool = True, **worker_settings: Any) -> dict[str, float]:
+            with_st: bool = True, processes: int = MORE_PROCESSES,
+            **worker_settings: Any) -> dict[str, float]:
     """The comparison as one gpu_check step (`model`, gpu_check's own, is not used: the
     worker process loads its own, at default settings; `worker_settings` change some, and
-    `with_st` False leaves ST out, for a test); the figures by name, for a caller to check."""
+    `with_st` False leaves ST out, for a test; `processes` below 2 leaves the several
+    processes' figure out); the figures by name, for a caller to check."""
     texts = list(texts if texts is not None else corpus_texts())
     mean = sum(len(t) for t in texts) / len(texts)
     say(f"corpus: {len(texts)} texts, mean {mean:.0f} characters")
     served = redbatch_served(device, texts, rounds, repeat, **worker_settings)
     served_lines(served, say)
-    offline = offline_limits(device, texts, say)
-    figures = {"redbatch": served.texts_per_s, "offline": offline}
+    figures = {"redbatch": served.texts_per_s}
+    if processes > 1:
+        several = redbatch_served(device, texts, rounds, repeat, processes, **worker_settings)
+        figures["redbatch_processes"] = several.texts_per_s
+        say(f"redbatch, {processes} worker processes on the device: "
+            f"{several.texts_per_s:9.0f} texts/s ({several.texts_per_s / served.texts_per_s:.2f}x"
+            f" one; rounds {', '.join(f'{r:.0f}' for r in several.rounds)})")
+    offline = figures["offline"] = offline_limits(device, texts, say)
     st: dict[tuple[str, int], float] = {}
     try:
         st = st_throughputs(device, texts, say) if with_st else {}
@@ -135,4 +147,7 @@ def compare(model: Any, device: torch.device, say: Say = say_now,
         figures["st"] = best
         say(f"redbatch / sentence-transformers' best ({dtype}, batch {batch}, {best:.0f} "
             f"texts/s): {verdict(served.texts_per_s / best, ST_GOAL)}")
+        if "redbatch_processes" in figures:
+            say(f"redbatch with {processes} processes / sentence-transformers' best: "
+                f"{verdict(figures['redbatch_processes'] / best, ST_GOAL)}")
     return figures

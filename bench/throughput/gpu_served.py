@@ -117,14 +117,15 @@ def one_round(url: str, model_name: str, texts: Sequence[str]) -> tuple[float, f
 
 
 def redbatch_served(device: torch.device, texts: Sequence[str], rounds: int = 3,
-                    repeat: int = 4, **settings: Any) -> Served:
-    """The worker process at default settings (`settings`: any to change, e.g. for a test):
-    one warm request, then `rounds` rounds of `texts` x `repeat`."""
+                    repeat: int = 4, processes: int = 1, **settings: Any) -> Served:
+    """The worker process at default settings (`settings`: any to change, e.g. for a test),
+    or `processes` of them sharing the device: one warm request, then `rounds` rounds of
+    `texts` x `repeat`."""
     sent = list(texts) * repeat
     found: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory() as tmp, \
             RedisServer(Path(tmp), appendonly=False) as server:
-        with Workers(server.url, NAMESPACE, 1, Path(tmp), model="minilm",
+        with Workers(server.url, NAMESPACE, processes, Path(tmp), model="minilm",
                      device=str(device), log_level="info", **settings) as workers:
             workers.wait_until_reading(START_TIMEOUT_S)
             warm = Client(server.url, workers.model_name, namespace=NAMESPACE)

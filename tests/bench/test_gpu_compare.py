@@ -46,10 +46,12 @@ def test_the_comparison_runs_on_a_cpu_with_the_worker_in_its_own_process() -> No
     threads = torch.get_num_threads()  # loading as the worker does sets the process's
     try:
         figures = compare(None, torch.device("cpu"), said.append, texts=texts, rounds=1,
-                          repeat=2, with_st=False, warmup=False)
+                          repeat=2, with_st=False, processes=2, warmup=False)
     finally:
         torch.set_num_threads(threads)
     assert figures["redbatch"] > 0 and figures["offline"] > 0 and "st" not in figures
+    assert figures["redbatch_processes"] > 0
+    assert any(line.startswith("redbatch, 2 worker processes on the device") for line in said)
     served = next(line for line in said if line.startswith("redbatch, default settings"))
     assert "dtype float32" in served and "96 requests a round" in served
     assert "CUDA graphs: not used" in "\n".join(said)
