@@ -7,13 +7,15 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import redis
 
 from producer import protocol
 from producer.protocol import ErrorCode, Request
 from worker.pipeline.answers import AnswerQueue, error_answer
 from worker.pipeline.chunk_writer import ChunkWriter
-from worker.pipeline.retry import Grace, RedisRetry
+from worker.pipeline.retry import Grace, RedisRetry, ShutdownExpired
+from worker.streams.server import free_port
 from worker.streams.token_streams import Chunk, TokenStreams
 
 KEY = "redbatch:stream:req"
@@ -63,3 +65,23 @@ def test_cancel_flags_come_back_with_the_wait(r: redis.Redis) -> None:
     assert writer.wait() == set(), "each write's flags are read once"
     writer.close()
     assert not any(t.name.startswith("redbatch-chunks") for t in threading.enumerate())
+
+
+def test_a_write_that_cannot_go_out_raises_at_the_wait_and_hands_no_answer_on() -> None:
+    """Redis gone while the shutdown grace runs out: the loop hears of it at its next wait,
+    and the answers queued behind the chunks are not handed to the reply thread."""
+    answers = AnswerQueue()
+    gone = redis.Redis(port=free_port(), socket_connect_timeout=0.2)  # nothing listens there
+    grace = Grace()
+    streams = TokenStreams(gone, "redbatch:requests:m", "workers", "c1", 60_000,
+                           "redbatch:answered:m")
+    writer = ChunkWriter(streams, RedisRetry(grace), answers)
+    grace.start(0.3)
+    answer = error_answer("1-1", Request("req", b"", protocol.MSGPACK, ""),
+                          ErrorCode.MODEL_ERROR, "behind the chunk")
+    writer.write([Chunk(KEY, 1, b"x")], answers=[answer])  # queued: the loop goes on
+    with pytest.raises(ShutdownExpired):
+        writer.wait()
+    answers.close()
+    assert answers.next() is None, "no answer overtook its chunk"
+    writer.close()
