@@ -3,7 +3,8 @@ while the next step runs.
 
 Why: a step's chunks and its cancel check are one round trip to Redis; made between two steps,
 the device waits for it (on a GPU a decode step of a small model takes a few milliseconds,
-the round trip about one). Here each write is queued to one thread, in order: a request's
+the round trip about one, and encoding a chunk per row a few µs each). Here each write is
+queued to one thread, encoded there, and sent in order: a request's
 chunks carry increasing ids, so one must never overtake another, and the answers queued
 with a write (a request's `done` entry, an error placed after its chunks) go to the reply
 thread only once the write is out. The loop waits for the previous step's write before it
@@ -15,11 +16,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
+from producer import protocol
 from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue
 from worker.pipeline.retry import RedisRetry
 from worker.streams.token_streams import Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A chunk to write: entry `<index>-1` of the reply stream `key`, its envelope encoded
+    as the request's content type on the writer's thread."""
+
+    key: str
+    index: int
+    envelope: dict[str, Any]
+    content_type: str
+
+    def chunk(self) -> Chunk:
+        return Chunk(self.key, self.index, protocol.encode(self.envelope, self.content_type))
 
 
 class ChunkWriter:
@@ -29,7 +47,7 @@ class ChunkWriter:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="redbatch-chunks")
         self._queued: list[Future[list[str]]] = []
 
-    def write(self, chunks: Sequence[Chunk], cancel_keys: dict[str, str] | None = None,
+    def write(self, chunks: Sequence[Outgoing], cancel_keys: dict[str, str] | None = None,
               answers: Sequence[Answer] = ()) -> None:
         """Queue the chunks, the cancel check of `cancel_keys` (entry id: its cancel key),
         then the answers, behind every write queued before."""
@@ -52,10 +70,11 @@ class ChunkWriter:
         finally:
             self._thread.shutdown(wait=True)
 
-    def _write(self, chunks: list[Chunk], cancel_keys: dict[str, str],
+    def _write(self, chunks: list[Outgoing], cancel_keys: dict[str, str],
                answers: list[Answer]) -> list[str]:
-        flags = self.retry(self.streams.write, chunks, list(cancel_keys.values())) \
-            if chunks or cancel_keys else []
+        encoded = [chunk.chunk() for chunk in chunks]
+        flags = self.retry(self.streams.write, encoded, list(cancel_keys.values())) \
+            if encoded or cancel_keys else []
         if answers:
             self.answers.put(answers)
         return [entry_id for entry_id, flag in zip(cancel_keys, flags, strict=True) if flag]

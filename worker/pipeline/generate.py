@@ -33,7 +33,7 @@ from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
 from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue, error_answer
-from worker.pipeline.chunk_writer import ChunkWriter
+from worker.pipeline.chunk_writer import ChunkWriter, Outgoing
 from worker.pipeline.generative_envelopes import (
     delta_envelope,
     final_answer,
@@ -45,7 +45,7 @@ from worker.pipeline.retry import Grace, RedisRetry
 from worker.policy.batching import Batcher, Pending
 from worker.policy.decoding import DecodingScheduler, SeqState, StepPlan
 from worker.policy.flow import entry_time_ms, is_past_deadline
-from worker.streams.token_streams import Chunk, Progress
+from worker.streams.token_streams import Progress
 
 log = structlog.get_logger("redbatch.worker")
 IDLE_POLL_S = 0.5
@@ -238,8 +238,9 @@ class GenerateLoop:
         return {i: protocol.cancel_key(self.config.namespace, live.pending.request.id)
                 for i, live in self.live.items()}
 
-    def _chunks(self, deltas: list[Delta]) -> list[Chunk]:
-        """The reply stream entries of these deltas (and their first-token times)."""
+    def _chunks(self, deltas: list[Delta]) -> list[Outgoing]:
+        """The reply stream entries of these deltas (and their first-token times), to be
+        encoded on the writer's thread."""
         now_ms = time.time() * 1000
         chunks = []
         for delta in deltas:
@@ -252,8 +253,7 @@ class GenerateLoop:
                 live.chunks += 1
                 request = live.pending.request
                 envelope = delta_envelope(request.id, live.chunks, delta.text, delta.token_ids)
-                chunks.append(Chunk(live.key, live.chunks,
-                                    protocol.encode(envelope, request.content_type)))
+                chunks.append(Outgoing(live.key, live.chunks, envelope, request.content_type))
         return chunks
 
     def _finish(self, entry_id: str, reason: str) -> Answer:

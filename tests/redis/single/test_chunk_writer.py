@@ -13,12 +13,16 @@ import redis
 from producer import protocol
 from producer.protocol import ErrorCode, Request
 from worker.pipeline.answers import AnswerQueue, error_answer
-from worker.pipeline.chunk_writer import ChunkWriter
+from worker.pipeline.chunk_writer import ChunkWriter, Outgoing
 from worker.pipeline.retry import Grace, RedisRetry, ShutdownExpired
 from worker.streams.server import free_port
-from worker.streams.token_streams import Chunk, TokenStreams
+from worker.streams.token_streams import TokenStreams
 
 KEY = "redbatch:stream:req"
+
+
+def chunk(index: int) -> Outgoing:
+    return Outgoing(KEY, index, {"n": index}, protocol.MSGPACK)
 
 
 def writer_for(r: redis.Redis, answers: AnswerQueue) -> ChunkWriter:
@@ -33,22 +37,23 @@ def test_writes_keep_their_order_and_answers_follow_their_chunks(r: redis.Redis)
     answer = error_answer("1-1", Request("req", b"", protocol.MSGPACK, ""),
                           ErrorCode.MODEL_ERROR, "after the chunks")
     for index in range(1, 41):  # one chunk per write, as steps queue them
-        writer.write([Chunk(KEY, index, str(index).encode())],
+        writer.write([chunk(index)],
                      answers=[answer] if index == 40 else ())
     got = answers.next()  # the reply thread's side: blocks until the answer is queued
     assert got == [answer]
     assert r.xlen(KEY) == 40, "every chunk was in Redis before its answer was handed on"
-    assert [int(e[1][b"data"]) for e in r.xrange(KEY)] == list(range(1, 41))
+    assert [protocol.decode(e[1][b"data"], protocol.MSGPACK)["n"] for e in r.xrange(KEY)] == \
+        list(range(1, 41)), "in order, encoded on the writer's thread"
     writer.close()
 
 
 def test_the_loop_is_not_held_by_a_write_in_flight(r: redis.Redis) -> None:
     writer = writer_for(r, AnswerQueue())
-    writer.write([Chunk(KEY, 1, b"warm")])
+    writer.write([chunk(1)])
     writer.wait()
     r.execute_command("CLIENT", "PAUSE", 400, "WRITE")  # a slow round trip, on the server
     started = time.monotonic()
-    writer.write([Chunk(KEY, 2, b"x")])
+    writer.write([chunk(2)])
     queued_s = time.monotonic() - started
     writer.wait()
     waited_s = time.monotonic() - started
@@ -79,7 +84,7 @@ def test_a_write_that_cannot_go_out_raises_at_the_wait_and_hands_no_answer_on() 
     grace.start(0.3)
     answer = error_answer("1-1", Request("req", b"", protocol.MSGPACK, ""),
                           ErrorCode.MODEL_ERROR, "behind the chunk")
-    writer.write([Chunk(KEY, 1, b"x")], answers=[answer])  # queued: the loop goes on
+    writer.write([chunk(1)], answers=[answer])  # queued: the loop goes on
     with pytest.raises(ShutdownExpired):
         writer.wait()
     answers.close()
