@@ -1,9 +1,10 @@
-"""The steps a GPU runs (worker/execution/step_layouts.py, paged_attention.py, decode_graphs.py):
-decoding rows padded to a shape class and prefill chunks packed into one row, each with one
-gather and one attention call per layer. On this CPU: they attend like plain SDPA over each
-row's own keys, give the engine the same tokens as the row-by-row steps, and launch one
-attention per layer; the CUDA graph capture is skipped cleanly here and checked against
-eager on a GPU."""
+"""The steps a GPU runs (worker/execution/step_layouts.py, paged_attention.py, step_graphs.py):
+decoding rows padded to a shape class and prefill chunks packed into one row padded to a
+(queries, keys) class, each with one gather and one attention call per layer. On this CPU:
+they attend like plain SDPA over each row's own keys, give the engine the same tokens as the
+row-by-row steps, and launch one attention per layer; the CUDA graph capture is skipped
+cleanly here (replays are checked with a stand-in that reruns the forward on the graphs'
+static buffers) and checked against eager on a GPU."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import torch
 
 from tests.models.test_paged_attention import cached_rows, dense_reference
 from tests.rigs.tiny_lm import build_tiny_lm
-from worker.execution.decode_graphs import DecodeGraph, DecodeGraphs, check, static_inputs
 from worker.execution.generation import GenerationEngine
 from worker.execution.kv_pool import TRASH_SLOT, KVPool
 from worker.execution.paged_attention import paged_attention, stepping
+from worker.execution.step_graphs import StepGraph, StepGraphs, check, static_inputs
 from worker.execution.step_layouts import DecodeLayout, PackedLayout
 from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
@@ -87,17 +88,25 @@ def test_decode_attention_equals_plain_sdpa_on_random_padded_layouts(
         check_random_decode(rng, heads, window)
 
 
-def check_random_packed(rng: random.Random, heads: int, window: int | None) -> None:
+def check_random_packed(rng: random.Random, heads: int, window: int | None,
+                        padded: bool) -> None:
     rows = rng.randint(1, 5)
     starts = [rng.choice([0, rng.randint(0, 40)]) for _ in range(rows)]
     ends = [s + rng.randint(1, 20) for s in starts]
-    pool, tables, layer, full_k, full_v = cached_rows(rng, starts, ends)
+    # unwritten slots may hold NaN: padding must read only what padding wrote
+    pool, tables, layer, full_k, full_v = cached_rows(
+        rng, starts, ends, unwritten=float("nan") if padded else None)
+    queries = sum(e - s for s, e in zip(starts, ends, strict=True))
+    shape = (queries + rng.randint(0, 9), sum(ends) + rng.randint(1, 9)) if padded else None
     layout = PackedLayout(pool, [pool.slots(t, e).tolist() for t, e in zip(tables, ends,
                                                                              strict=True)],
-                          starts, ends)
+                          starts, ends, shape=shape, rows=rows + rng.randint(0, 3))
     q = torch.randn(1, heads, layout.queries, DIM)
-    new_k = torch.cat([k[:, s:] for k, s in zip(full_k, starts, strict=True)], dim=1)[None]
-    new_v = torch.cat([v[:, s:] for v, s in zip(full_v, starts, strict=True)], dim=1)[None]
+    pad = torch.zeros(KV_HEADS, layout.queries - queries, DIM)
+    new_k = torch.cat([k[:, s:] for k, s in zip(full_k, starts, strict=True)] + [pad],
+                      dim=1)[None]
+    new_v = torch.cat([v[:, s:] for v, s in zip(full_v, starts, strict=True)] + [pad],
+                      dim=1)[None]
     with stepping(layout):
         out, _ = paged_attention(SimpleNamespace(layer_idx=layer), q, new_k, new_v, None,
                                  sliding_window=window)
@@ -108,18 +117,36 @@ def check_random_packed(rng: random.Random, heads: int, window: int | None) -> N
         expected = dense_reference(q[0, :, at:at + n], full_k[row], full_v[row], start, window)
         torch.testing.assert_close(out[0, at:at + n], expected, atol=1e-5, rtol=1e-5)
         at += n
-    assert layout.keep.tolist() == [sum(e - s for s, e in zip(starts[:r + 1], ends[:r + 1],
-                                                               strict=True)) - 1
-                                    for r in range(rows)]
+    assert layout.keep.tolist()[:rows] == [
+        sum(e - s for s, e in zip(starts[:r + 1], ends[:r + 1], strict=True)) - 1
+        for r in range(rows)]
+    assert not out.isnan().any()  # padding queries attend to the padding key they wrote
 
 
-@pytest.mark.parametrize(("heads", "window"), [(2, None), (6, None), (4, 7)])
+@pytest.mark.parametrize(("heads", "window", "padded"),
+                         [(2, None, False), (6, None, False), (4, 7, False),
+                          (2, None, True), (6, None, True), (4, 7, True)])
 def test_packed_prefill_attention_equals_plain_sdpa_on_random_layouts(
-        heads: int, window: int | None) -> None:
-    rng = random.Random(heads * 7 + (window or 0))
+        heads: int, window: int | None, padded: bool) -> None:
+    rng = random.Random(heads * 7 + (window or 0) + padded)
     torch.manual_seed(heads + 1)
     for _ in range(40):
-        check_random_packed(rng, heads, window)
+        check_random_packed(rng, heads, window, padded)
+
+
+def test_a_packed_prefill_pads_its_queries_keys_and_rows_to_the_class() -> None:
+    pool = KVPool(LAYERS, KV_HEADS, DIM, tokens=64, dtype=torch.float32, device=CPU)
+    layout = PackedLayout(pool, [[48, 49, 50], [16, 17]], [1, 0], [3, 2], shape=(6, 8),
+                          rows=3)
+    assert (layout.queries, layout.length, layout.real, layout.shape) == (6, 8, 2, (6, 8))
+    assert layout.write.tolist() == [49, 50, 16, 17, TRASH_SLOT, TRASH_SLOT]
+    assert layout.read.tolist() == [48, 49, 50, 16, 17, TRASH_SLOT, TRASH_SLOT, TRASH_SLOT]
+    assert layout.positions.view(-1).tolist() == [1, 2, 0, 1, 0, 0]
+    assert layout.keep.tolist() == [1, 3, 0]  # a padding row keeps the first token's logits
+    seen = layout.visible(None)[0, 0].int().tolist()
+    assert seen == [[1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0],
+                    [0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0, 0],
+                    [0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1]]
 
 
 def engine_of(tiny: tuple[Any, Any], padded: bool,
@@ -197,7 +224,7 @@ def test_a_step_s_prefills_run_as_one_packed_forward(tiny: tuple[Any, Any]) -> N
     assert engine.buffers.copies == 1 and len(output.deltas) == 3
 
 
-def test_on_a_cpu_the_decode_graphs_are_skipped_and_decoding_stays_eager(
+def test_on_a_cpu_the_step_graphs_are_skipped_and_steps_stay_eager(
         tiny: tuple[Any, Any]) -> None:
     lm, tokenizer = tiny
     engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id])
@@ -209,7 +236,7 @@ class Rerun:
     """Stands in for a CUDA graph on a CPU: a replay re-runs the captured forward on the
     static buffers, as the graph re-runs its kernels on them, and writes the same output."""
 
-    def __init__(self, engine: GenerationEngine, graph: DecodeGraph) -> None:
+    def __init__(self, engine: GenerationEngine, graph: StepGraph) -> None:
         self.engine, self.graph = engine, graph
 
     def replay(self) -> None:
@@ -217,36 +244,41 @@ class Rerun:
         self.graph.logits.copy_(self.engine.logits(self.graph.ids, self.graph.layout))
 
 
-def rerun_graphs(engine: GenerationEngine) -> DecodeGraphs:
-    graphs = {}
-    for shape in engine.shapes.shapes:
-        ids, layout = static_inputs(engine, shape)
-        graph = DecodeGraph(ids, layout, engine.logits(ids, layout).clone(), None)
-        graph.graph = Rerun(engine, graph)
-        graphs[shape] = graph
-    return DecodeGraphs(graphs)
+def rerun_graphs(engine: GenerationEngine) -> StepGraphs:
+    kinds: dict[str, dict[tuple[int, int], StepGraph]] = {"decode": {}, "prefill": {}}
+    for kind, classes in (("decode", engine.shapes), ("prefill", engine.prefills)):
+        for shape in classes.shapes:
+            ids, layout = static_inputs(engine, kind, shape)
+            graph = StepGraph(ids, layout, engine.logits(ids, layout).clone(), None)
+            graph.graph = Rerun(engine, graph)
+            kinds[kind][shape] = graph
+    return StepGraphs(kinds["decode"], kinds["prefill"])
 
 
 def test_replays_copy_each_step_into_their_class_s_buffers_and_give_eager_s_tokens(
         tiny: tuple[Any, Any]) -> None:
     eager = generate(tiny, padded=True)
+    assert eager == generate(tiny, padded=False)
     engine = engine_of(tiny, padded=True)
     engine.graphs = rerun_graphs(engine)
     assert generate(tiny, padded=True, engine=engine) == eager
-    assert engine.graphs.replays > 10
-    for shape in (min(engine.graphs.graphs), max(engine.graphs.graphs)):
-        check(engine, engine.graphs.graphs[shape])  # the start-up check passes on them
+    assert engine.graphs.replays["decode"] > 10 and engine.graphs.replays["prefill"] >= 1
+    for kind in ("decode", "prefill"):
+        graphs = getattr(engine.graphs, kind)
+        for shape in (min(graphs), max(graphs)):
+            check(engine, kind, graphs[shape])  # the start-up check passes on them
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_decode_graphs_replay_the_eager_tokens(tiny: tuple[Any, Any]) -> None:
+def test_on_cuda_step_graphs_replay_the_eager_tokens(tiny: tuple[Any, Any]) -> None:
     lm, tokenizer = tiny
     cuda = (lm.to("cuda"), tokenizer)
     cuda_device = torch.device("cuda")
     eager = generate(cuda, padded=True, engine=engine_of(cuda, True, cuda_device))
     engine = engine_of(cuda, True, cuda_device)
     graphs = engine.capture_graphs()
-    assert graphs is not None and (8, 256) in graphs.graphs
+    assert graphs is not None and (8, 256) in graphs.decode and (64, 64) in graphs.prefill
     replayed = generate(cuda, padded=True, engine=engine)
     lm.to("cpu")
-    assert graphs.replays > 0 and replayed == eager
+    assert graphs.replays["decode"] > 0 and graphs.replays["prefill"] > 0
+    assert replayed == eager

@@ -189,7 +189,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_modules_import_each_other_in_a_circle() -> None:
     # type hints count: a circle through them is a circle in the design (a Protocol of
-    # what is needed breaks it, as decode_graphs.py and gateway/rerank.py do)
+    # what is needed breaks it, as step_graphs.py and gateway/rerank.py do)
     graph = import_graph(("worker", "producer", "bench", "tests"), type_hints=True)
     assert circles(graph) == []
 

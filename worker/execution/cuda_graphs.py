@@ -179,7 +179,7 @@ def install(executors: Sequence[RunsForward], model: Model, device: torch.device
     if device.type != "cuda":
         skipped("cuda_graphs.skipped", reason=f"no CUDA device ({device}): running eagerly")
         return None
-    if model.generative:  # its engine captures its decode steps (execution/decode_graphs.py)
+    if model.generative:  # its engine captures its own steps (execution/step_graphs.py)
         return None
     if not model.graph_capturable:
         skipped("cuda_graphs.skipped", reason="the model does not declare graph_capturable")

@@ -8,9 +8,9 @@ layouts (execution/step_layouts.py) shaped for the device:
 - on a CPU, each prefill chunk alone and each decoding row attending alone over exactly
   its tokens: no padded work at all;
 - on a GPU, where a launch costs more than a padded row, the prefill chunks packed into one
-  forward and the decoding rows padded to a shape class, each with one gather and one
-  attention call per layer; a class with a captured CUDA graph (execution/decode_graphs.py)
-  replays as one launch.
+  forward padded to a (queries, keys) class and the decoding rows padded to a (rows,
+  context) class, each with one gather and one attention call per layer; a class with a
+  captured CUDA graph (execution/step_graphs.py) replays as one launch.
 
 The model's attention is the engine's own (execution/paged_attention.py, registered through
 transformers' AttentionInterface): the forward's layout is set for its duration
@@ -34,17 +34,17 @@ from typing import Any
 
 import torch
 
-from worker.execution.decode_graphs import DecodeGraphs
 from worker.execution.detokenize import Delta, TextState, decoder_of
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import Layout, stepping, use_paged_attention
 from worker.execution.sampling import RowDraws, choose_tokens
 from worker.execution.step_buffers import StepBuffers
+from worker.execution.step_graphs import StepGraphs
 from worker.execution.step_layouts import DecodeLayout, PackedLayout, StepLayout
 from worker.models.generation_params import SamplingParams
 from worker.models.generative import CausalLM, context_of, kv_shape
 from worker.policy.decoding import StepPlan, Work
-from worker.policy.shape_classes import ShapeClasses, decode_classes
+from worker.policy.shape_classes import ShapeClasses, decode_classes, prefill_classes
 
 DEFAULT_KV_TOKENS = 16384  # an engine built without a budget (tests, tools)
 
@@ -82,7 +82,7 @@ class Forward:
     seqs: list[EngineSeq]
     works: list[Work]
     layout: Layout
-    ids: list[int]  # rows x queries, left-padded; a device view once uploaded
+    ids: list[int]  # rows x queries, padded; a device view once uploaded
     draws: RowDraws | None  # None when no row emits a token
     batched: bool  # the step's decode rows together (else one sequence alone)
     device: list[torch.Tensor] = field(default_factory=list)  # ids (and draws) on device
@@ -91,11 +91,13 @@ class Forward:
 class GenerationEngine:
     def __init__(self, lm: Any, tokenizer: Any, device: torch.device,
                  eos_ids: Iterable[int] = (), kv_tokens: int = DEFAULT_KV_TOKENS,
-                 max_seqs: int = 64, gpu_shapes: bool | None = None) -> None:
+                 max_seqs: int = 64, max_step_tokens: int = 512,
+                 gpu_shapes: bool | None = None) -> None:
         """`kv_tokens`: the pool's size, the scheduler's KV budget (plus a block per
         sequence for the partly filled last blocks). `gpu_shapes`: steps shaped for a GPU,
         decodes padded to shape classes of up to `max_seqs` rows and prefills packed into
-        one forward (default: on CUDA only)."""
+        one forward padded to a class of up to `max_step_tokens` tokens (default: on CUDA
+        only)."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.decode = decoder_of(tokenizer)
@@ -106,8 +108,10 @@ class GenerationEngine:
                            device=device)
         self.buffers = StepBuffers(device)
         self.gpu_shapes = device.type == "cuda" if gpu_shapes is None else gpu_shapes
+        self.max_seqs = max_seqs
         self.shapes: ShapeClasses = decode_classes(max_seqs, min(kv_tokens, context_of(lm)))
-        self.graphs: DecodeGraphs | None = None  # capture_graphs() fills it, on CUDA
+        self.prefills: ShapeClasses = prefill_classes(max_step_tokens, kv_tokens)
+        self.graphs: StepGraphs | None = None  # capture_graphs() fills it, on CUDA
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -199,15 +203,20 @@ class GenerationEngine:
                        self._draws(seqs, works), batched=True)
 
     def _plan_packed(self, works: Sequence[Work]) -> Forward:
-        """The step's prefill chunks one after another in one row, no padding."""
+        """The step's prefill chunks one after another in one row, padded at the end to
+        their (queries, keys) class (or, past every class, not at all)."""
         seqs = self._reserve(works)
+        queries, keys = sum(w.tokens for w in works), sum(w.end for w in works)
+        # + 1 key: padding queries must have a padding key to read (PackedLayout)
+        shape = self.prefills.fit(queries, keys + 1) if len(works) <= self.max_seqs else None
         layout = PackedLayout(self.pool, [s.slots for s in seqs], [w.start for w in works],
-                              [w.end for w in works], bind=False)
+                              [w.end for w in works], bind=False, shape=shape,
+                              rows=self.max_seqs)
         ids: list[int] = []
         for seq, work in zip(seqs, works, strict=True):
             ids += seq.tokens(work.start, work.end)
-        return Forward(seqs, list(works), layout, ids, self._draws(seqs, works),
-                       batched=False)
+        return Forward(seqs, list(works), layout, ids + [0] * (layout.queries - queries),
+                       self._draws(seqs, works), batched=False)
 
     def _draws(self, seqs: Sequence[EngineSeq], works: Sequence[Work]) -> RowDraws | None:
         if not any(w.emits for w in works):
@@ -241,11 +250,8 @@ class GenerationEngine:
         replay where one holds the step's shape, else the model's forward."""
         layout = forward.layout
         ids = forward.device[0].view(layout.rows, layout.queries)
-        if isinstance(layout, DecodeLayout) and self.graphs is not None and (
-                graph := self.graphs.get(layout.shape)) is not None:
-            logits = graph.replay(ids, layout)
-        else:
-            logits = self.logits(ids, layout)
+        graph = self.graphs.get(layout) if self.graphs is not None else None
+        logits = graph.replay(ids, layout) if graph is not None else self.logits(ids, layout)
         for seq, work in zip(forward.seqs, forward.works, strict=True):
             seq.cached = work.end
         return logits[:len(forward.seqs)]
@@ -261,10 +267,11 @@ class GenerationEngine:
                                "engine's paged attention")
         return layout.last_logits(out.logits)
 
-    def capture_graphs(self) -> DecodeGraphs | None:
-        """Capture a CUDA graph of the decode step for every shape class (decode_graphs.py);
-        None, and eager decoding, where that is not possible (it says why)."""
-        self.graphs = DecodeGraphs.capture(self, self.shapes)
+    def capture_graphs(self) -> StepGraphs | None:
+        """Capture a CUDA graph of the decode step for every shape class and of the packed
+        prefill for every (queries, keys) class (step_graphs.py); None, and eager steps,
+        where that is not possible (it says why)."""
+        self.graphs = StepGraphs.capture(self)
         return self.graphs
 
     def _append(self, seq: EngineSeq, token: int) -> Delta:
@@ -281,12 +288,13 @@ class GenerationEngine:
 
 def engine_for(model: CausalLM, cuda_graphs: bool = True) -> GenerationEngine:
     """A loaded causal LM's engine, its KV pool sized to the scheduler's budget (and one
-    more block per sequence for the partly filled last ones), its decode steps captured as
-    CUDA graphs on a GPU unless `cuda_graphs` is false."""
+    more block per sequence for the partly filled last ones), its decode steps and packed
+    prefills captured as CUDA graphs on a GPU unless `cuda_graphs` is false."""
     limits = model.scheduler_limits()
     engine = GenerationEngine(model.lm, model.tokenizer, model.device, model.eos_ids,
                               kv_tokens=limits.kv_tokens + limits.max_seqs * BLOCK_TOKENS,
-                              max_seqs=limits.max_seqs)
+                              max_seqs=limits.max_seqs,
+                              max_step_tokens=limits.max_step_tokens)
     if cuda_graphs and model.device.type == "cuda":
         engine.capture_graphs()
     return engine

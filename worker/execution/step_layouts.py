@@ -7,8 +7,9 @@ function (execution/paged_attention.py) reads the layout of the forward it runs 
 - DecodeLayout: a decode step's rows, one token each, padded to a shape class; one gather
   and one masked attention call per layer, in shapes a CUDA graph can replay (a GPU).
 - PackedLayout: a step's prefill chunks packed one after another into a single row with
-  no padding; one gather and one attention call per layer, masked so each token sees its
-  own sequence up to itself (a GPU: one forward for every prompt of the step).
+  no padding between them; one gather and one attention call per layer, masked so each
+  token sees its own sequence up to itself (a GPU: one forward for every prompt of the
+  step), padded at the end to a (queries, keys) class a CUDA graph can replay.
 
 Each is built on the host as lists (`host`), copied to the device with the rest of the step
 (execution/step_buffers.py), and `bind`s the device views; `bind=True` copies them itself
@@ -23,6 +24,8 @@ from functools import cached_property
 import torch
 
 from worker.execution.kv_pool import BLOCK_TOKENS, TRASH_BLOCK, TRASH_SLOT, KVPool
+
+PAD_SEQ = -1  # a padded packed prefill's padding queries and keys: no real row's
 
 
 def last_query(logits: torch.Tensor) -> torch.Tensor:
@@ -69,11 +72,13 @@ class StepLayout:
     def bind(self, write: torch.Tensor, history: torch.Tensor,
              positions: torch.Tensor) -> None:
         """The layout's tensors on the device (flat, as `host` holds them)."""
+        self.bound = (write, history, positions)
         self.write, self.history = write, history
         self.positions = positions.view(self.rows, self.queries)
 
     keep = 1  # the forward's `logits_to_keep`: each row's last query
     last_logits = staticmethod(last_query)
+    shape = None  # no class: never replayed by a CUDA graph
 
     @cached_property
     def read(self) -> torch.Tensor:
@@ -100,7 +105,7 @@ class DecodeLayout:
     the trash block's), masked past its own length. Why: one gather and one attention call
     per layer for the whole batch instead of one per row (a GPU pays per launch), in shapes
     that change only by class (`shape`), so a CUDA graph can replay the step
-    (execution/decode_graphs.py). Padding rows write to and read the trash block, at
+    (execution/step_graphs.py). Padding rows write to and read the trash block, at
     position 0, with one visible key.
 
     Built on the host (`host`: write, tables, lengths, positions: block tables, not slots,
@@ -136,6 +141,7 @@ class DecodeLayout:
 
     def bind(self, write: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
              positions: torch.Tensor) -> None:
+        self.bound = (write, tables, lengths, positions)  # what a graph's replay copies
         self.write, self.tables, self.lengths = write, tables, lengths
         self.positions = positions.view(self.rows, 1)
         self.reset()
@@ -173,16 +179,24 @@ class DecodeLayout:
 
 class PackedLayout:
     """Prefill chunks packed one after another into one row of `queries` tokens, no
-    padding: row r's new tokens at positions [starts[r], ends[r]) write their slots, and
-    each attends to its own sequence's keys up to itself, read from the pool (every row's
-    history, one after another). The logits kept are each row's last token's."""
+    padding between them: row r's new tokens at positions [starts[r], ends[r]) write their
+    slots, and each attends to its own sequence's keys up to itself, read from the pool
+    (every row's history, one after another). The logits kept are each row's last token's.
+
+    With a `shape` (queries, keys) class and a number of `rows`, the layout is padded to
+    fixed sizes a CUDA graph can replay (execution/step_graphs.py): padding queries (token 0
+    at position 0, sequence PAD) write the trash slot and read the padding keys (the trash
+    slot, sequence PAD), so they attend to one finite key, never to a real row's, and no
+    real query sees them; padding rows keep the first token's logits. Padding queries need
+    a padding key: `keys` must exceed the real keys."""
 
     rows = 1
 
     def __init__(self, pool: KVPool, slots: Sequence[Sequence[int]], starts: Sequence[int],
-                 ends: Sequence[int], bind: bool = True) -> None:
+                 ends: Sequence[int], bind: bool = True, shape: tuple[int, int] | None = None,
+                 rows: int = 0) -> None:
         """`slots`: each row's slots of tokens [0, end) at least."""
-        self.pool, self.real = pool, len(ends)
+        self.pool, self.real, self.shape = pool, len(ends), shape
         write: list[int] = []
         read: list[int] = []
         positions: list[int] = []
@@ -198,6 +212,16 @@ class PackedLayout:
             key_seqs += [row] * end
             key_positions += range(end)
             last.append(len(write) - 1)
+        if shape is not None:
+            pad_queries, pad_keys = shape[0] - len(write), shape[1] - len(read)
+            assert pad_queries >= 0 and pad_keys > 0 and rows >= self.real, (shape, rows)
+            write += [TRASH_SLOT] * pad_queries
+            positions += [0] * pad_queries
+            query_seqs += [PAD_SEQ] * pad_queries
+            read += [TRASH_SLOT] * pad_keys
+            key_seqs += [PAD_SEQ] * pad_keys
+            key_positions += [0] * pad_keys
+            last += [0] * (rows - self.real)
         self.queries, self.length = len(write), len(read)
         self.host = (write, read, positions, query_seqs, key_seqs, key_positions, last)
         if bind:
@@ -207,10 +231,15 @@ class PackedLayout:
     def bind(self, write: torch.Tensor, read: torch.Tensor, positions: torch.Tensor,
              query_seqs: torch.Tensor, key_seqs: torch.Tensor, key_positions: torch.Tensor,
              last: torch.Tensor) -> None:
+        self.bound = (write, read, positions, query_seqs, key_seqs, key_positions, last)
         self.write, self.read, self.query_seqs, self.key_seqs = write, read, query_seqs, key_seqs
         self.key_positions = key_positions
         self.positions = positions.view(1, self.queries)
         self.keep = last  # the forward's `logits_to_keep`: each row's last token
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the layers worked out (before a forward that reuses the buffers)."""
         self.attended = 0
         self._visible: dict[int | None, torch.Tensor] = {}
 
@@ -228,4 +257,3 @@ class PackedLayout:
                 seen &= keys > at - window
             self._visible[window] = seen[None, None]
         return self._visible[window]
-

@@ -73,13 +73,19 @@ def shape_classes(boundaries: Sequence[int], max_batch_size: int,
 
 DECODE_LENGTHS_FROM = 256  # the shortest context a decode step's graph is captured for
 DECODE_LENGTHS_UP_TO = 4096  # longer contexts decode eagerly: rarer, and large to capture
+PREFILL_TOKENS_FROM = 64  # a packed prefill of fewer tokens pads to 64: no cost on a GPU
+
+
+def doubling(first: int, last: int) -> tuple[int, ...]:
+    """first, 2 x first, 4 x first, ... below `last`, then `last` itself."""
+    last = max(1, last)
+    return (*[first << k for k in range(last.bit_length()) if first << k < last], last)
 
 
 def decode_rows(max_seqs: int) -> tuple[int, ...]:
     """1, 2, 4, ... below `max_seqs`, then `max_seqs`: a decode row costs little on a GPU
     next to a launch, so powers of two (fewer graphs to capture) pad cheaply."""
-    cap = max(1, max_seqs)
-    return (*[1 << k for k in range(cap.bit_length()) if 1 << k < cap], cap)
+    return doubling(1, max_seqs)
 
 
 def decode_classes(max_seqs: int, max_context: int) -> ShapeClasses:
@@ -87,8 +93,20 @@ def decode_classes(max_seqs: int, max_context: int) -> ShapeClasses:
     class, 256, 512, ... doubling up to the longest a sequence may reach (`max_context`, at
     most DECODE_LENGTHS_UP_TO), which is a class itself. A step pads its rows and each row's
     context to the smallest class that holds it (ShapeClasses.fit)."""
-    top = max(1, min(max_context, DECODE_LENGTHS_UP_TO))
-    lengths = [DECODE_LENGTHS_FROM << k for k in range(top.bit_length())
-               if DECODE_LENGTHS_FROM << k < top]
     rows = decode_rows(max_seqs)
-    return ShapeClasses(tuple((length, rows) for length in (*lengths, top)))
+    lengths = doubling(DECODE_LENGTHS_FROM, min(max_context, DECODE_LENGTHS_UP_TO))
+    return ShapeClasses(tuple((length, rows) for length in lengths))
+
+
+def prefill_classes(max_step_tokens: int, max_context: int) -> ShapeClasses:
+    """The packed prefills to capture, as ShapeClasses whose rows are new tokens (queries)
+    and whose lengths are the keys they read (every packed row's history): key classes 64,
+    128, ... doubling up to `max_context` (at most DECODE_LENGTHS_UP_TO), each with the
+    query classes 64, 128, ... up to the step's token budget (`max_step_tokens`) that it
+    can hold (a new token is a key too). A step's first chunks read as many keys as they
+    bring, later chunks of a long prompt more; `fit(queries, keys)` pads both."""
+    queries = doubling(PREFILL_TOKENS_FROM, max_step_tokens)
+    keys = doubling(PREFILL_TOKENS_FROM, min(max_context, DECODE_LENGTHS_UP_TO))
+    return ShapeClasses(tuple(
+        (length, fitting) for length in keys
+        if (fitting := tuple(q for q in queries if q <= length))))

@@ -9,6 +9,7 @@ from worker.policy.shape_classes import (
     batch_classes,
     decode_classes,
     decode_rows,
+    prefill_classes,
     rows_cap,
     shape_classes,
 )
@@ -80,3 +81,20 @@ def test_a_decode_step_fits_the_smallest_class_and_a_longer_one_runs_eagerly() -
     assert classes.fit(33, 300) == (64, 512)
     assert classes.fit(64, 2048) == (64, 2048)
     assert classes.fit(65, 10) is None and classes.fit(2, 2049) is None
+
+
+def test_prefill_key_classes_double_from_64_each_with_the_query_classes_it_holds() -> None:
+    classes = prefill_classes(max_step_tokens=512, max_context=8192)
+    assert classes.classes == (
+        (64, (64,)), (128, (64, 128)), (256, (64, 128, 256)), (512, (64, 128, 256, 512)),
+        (1024, (64, 128, 256, 512)), (2048, (64, 128, 256, 512)), (4096, (64, 128, 256, 512)))
+    assert prefill_classes(100, 300).classes == (
+        (64, (64,)), (128, (64, 100)), (256, (64, 100)), (300, (64, 100)))
+
+
+def test_a_packed_prefill_fits_its_queries_and_keys_and_a_larger_one_runs_eagerly() -> None:
+    classes = prefill_classes(max_step_tokens=512, max_context=2048)
+    assert classes.fit(30, 31) == (64, 64)  # first chunks: as many keys as queries
+    assert classes.fit(300, 301) == (512, 512)
+    assert classes.fit(200, 1500) == (256, 2048)  # a long prompt's later chunk
+    assert classes.fit(513, 600) is None and classes.fit(10, 2049) is None
