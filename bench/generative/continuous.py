@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from worker.execution.generation import EngineSeq, Forward, GenerationEngine, StepOutput
+from worker.execution.generation import GenerationEngine, StepOutput
+from worker.execution.staging import EngineSeq, Forward
 from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState, StepPlan
 

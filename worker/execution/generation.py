@@ -37,33 +37,24 @@ import torch
 from worker.execution.detokenize import Delta, TextState, decoder_of
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import Layout, stepping, use_paged_attention
-from worker.execution.sampling import RowDraws, choose_tokens
+from worker.execution.sampling import choose_tokens
+from worker.execution.staging import (
+    EngineSeq,
+    Forward,
+    TokensInFlight,
+    decode_forward,
+    packed_forward,
+    row_forward,
+    upload,
+)
 from worker.execution.step_buffers import StepBuffers
 from worker.execution.step_graphs import StepGraphs
-from worker.execution.step_layouts import DecodeLayout, PackedLayout, StepLayout
 from worker.models.generation_params import SamplingParams
 from worker.models.generative import CausalLM, context_of, kv_shape
 from worker.policy.decoding import StepPlan, Work
 from worker.policy.shape_classes import ShapeClasses, decode_classes, prefill_classes
 
 DEFAULT_KV_TOKENS = 16384  # an engine built without a budget (tests, tools)
-
-
-@dataclass(slots=True)
-class EngineSeq:
-    id: str
-    prompt_ids: list[int]
-    text: TextState
-    seed: int  # its draws' (execution/sampling.py): the request's seed, or its entropy
-    blocks: list[int] = field(default_factory=list)  # its block table in the pool
-    slots: list[int] = field(default_factory=list)  # its tokens' slots, as far as reserved
-    cached: int = 0  # tokens whose keys and values are in its blocks
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        prompt = len(self.prompt_ids)
-        if start >= prompt:  # a decode: no copy of the whole sequence
-            return self.text.generated[start - prompt:end - prompt]
-        return (self.prompt_ids + self.text.generated)[start:end]
 
 
 @dataclass(slots=True)
@@ -76,16 +67,15 @@ class StepOutput:
 
 
 @dataclass(slots=True)
-class Forward:
-    """One forward of a step, staged: its rows, their layout, ids and draws."""
+class Launched:
+    """A step on its way: the forwards whose tokens come back with `finish`, and those
+    tokens, copied to the host (once `copied` has happened, on CUDA)."""
 
-    seqs: list[EngineSeq]
-    works: list[Work]
-    layout: Layout
-    ids: list[int]  # rows x queries, padded; a device view once uploaded
-    draws: RowDraws | None  # None when no row emits a token
-    batched: bool  # the step's decode rows together (else one sequence alone)
-    device: list[torch.Tensor] = field(default_factory=list)  # ids (and draws) on device
+    forwards: list[Forward]
+    tokens: torch.Tensor | None
+    copied: Any  # a torch.cuda.Event, or None: on the host already
+    flight: TokensInFlight | None
+    early: list[Delta]  # prefilled rows' deltas, appended mid-step (`on_prefilled`)
 
 
 class GenerationEngine:
@@ -112,6 +102,7 @@ class GenerationEngine:
         self.shapes: ShapeClasses = decode_classes(max_seqs, min(kv_tokens, context_of(lm)))
         self.prefills: ShapeClasses = prefill_classes(max_step_tokens, kv_tokens)
         self.graphs: StepGraphs | None = None  # capture_graphs() fills it, on CUDA
+        self.flight: TokensInFlight | None = None  # the last launch's, until it finishes
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -129,121 +120,117 @@ class GenerationEngine:
     def drop(self, seq_id: str) -> EngineSeq | None:
         """Forget a sequence; its text is complete (an unfinished character included)."""
         seq = self.seqs.pop(seq_id, None)
+        if self.flight is not None:
+            self.flight.rows.pop(seq_id, None)
         if seq is not None:
             self._forget(seq)
             seq.text.flush(self.decode)
         return seq
 
-    @torch.inference_mode()
     def step(self, plan: StepPlan,
              on_prefilled: Callable[[Delta], None] | None = None) -> StepOutput:
-        """Run the plan. `on_prefilled` is called with each prefilled sequence's new token
-        as soon as its own forward is done, before the step's other forwards: its reply
-        stream can carry a first token while the other prefills run."""
+        """Run the plan to its tokens (launch, then finish)."""
+        return self.finish(self.launch(plan, on_prefilled))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan,
+               on_prefilled: Callable[[Delta], None] | None = None) -> Launched:
+        """Run the plan's forwards and choose their tokens on the device; `finish` brings
+        them to the host. A decoding row whose input token is the previous launch's, not
+        finished yet, reads it on the device (staging.py): the host can finish step n while
+        the device runs step n + 1. `on_prefilled` is called with each prefilled sequence's
+        new token as soon as its own forward is done (the host waits for it then), before
+        the step's other forwards: its reply stream can carry a first token while the other
+        prefills run."""
         for seq_id in plan.preempted:
             self._forget(self.seqs[seq_id])
         decode = [w for w in plan.decode if w.start > 0]  # a 1-token prompt has no cache
         prefill = plan.prefill + [w for w in plan.decode if w.start == 0]
         forwards = self._stage(prefill, decode)
         prefilling = len(forwards) - bool(decode)  # the forwards before the decoding one
-        output = StepOutput()
+        chosen: list[tuple[Forward, torch.Tensor]] = []
+        early: list[Delta] = []
         for number, forward in enumerate(forwards):
-            deltas = self._run(forward)
-            if on_prefilled is not None and number < prefilling:
+            tokens = self._run(forward)
+            if tokens is not None and on_prefilled is not None and number < prefilling:
+                deltas = self._take(forward, tokens.tolist())
                 for delta in deltas:
                     on_prefilled(delta)
-            output.deltas += deltas
+                early += deltas
+            elif tokens is not None:
+                chosen.append((forward, tokens))
+        return self._send_back(chosen, early)
+
+    def _send_back(self, chosen: list[tuple[Forward, torch.Tensor]],
+                   early: list[Delta]) -> Launched:
+        """The chosen tokens in one tensor, copied to the host in one go (asynchronously on
+        CUDA); the next launch's decoding rows read theirs from it on the device."""
+        if not chosen:
+            self.flight = None
+            return Launched([], None, None, None, early)
+        tokens = torch.cat([t for _, t in chosen]) if len(chosen) > 1 else chosen[0][1]
+        rows: dict[str, int] = {}
+        at = 0
+        for forward, _ in chosen:  # a token per real row, whether it emits or not
+            for seq, work in zip(forward.seqs, forward.works, strict=True):
+                if work.emits:
+                    rows[seq.id] = at
+                at += 1
+        self.flight = TokensInFlight(tokens, rows)
+        host, copied = self.buffers.download(tokens)
+        return Launched([f for f, _ in chosen], host, copied, self.flight, early)
+
+    def finish(self, launched: Launched) -> StepOutput:
+        """The launched step's tokens on the host, appended to their sequences (one dropped
+        or ended since the launch is skipped: its token was a step too late)."""
+        output = StepOutput(list(launched.early))
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        tokens: list[int] = launched.tokens.tolist() if launched.tokens is not None else []
+        at = 0
+        for forward in launched.forwards:
+            output.deltas += self._take(forward, tokens[at:at + len(forward.seqs)])
+            at += len(forward.seqs)
+        if self.flight is launched.flight:
+            self.flight = None
         return output
 
     def _stage(self, prefill: Sequence[Work], decode: Sequence[Work]) -> list[Forward]:
         """Every forward's inputs, built on the host and copied to the device at once: the
         prefill chunks (one forward each, or packed into one, shaped for a GPU), then the
         decoding rows together (padded to a shape class, shaped for a GPU)."""
+        def seqs(works: Sequence[Work]) -> list[EngineSeq]:
+            return [self.seqs[w.id] for w in works]
+
+        pool, flight = self.pool, self.flight
         if self.gpu_shapes:
-            forwards = [self._plan_packed(prefill)] if prefill else []
-            forwards += [self._plan_decode(decode)] if decode else []
+            forwards = [packed_forward(pool, self.prefills, self.max_seqs, seqs(prefill),
+                                       prefill)] if prefill else []
+            forwards += [decode_forward(pool, self.shapes, seqs(decode), decode, flight)
+                         ] if decode else []
         else:
-            forwards = [self._plan([work]) for work in prefill]
-            forwards += [self._plan(decode)] if decode else []
+            forwards = [row_forward(pool, seqs([work]), [work], flight) for work in prefill]
+            forwards += [row_forward(pool, seqs(decode), decode, flight)] if decode else []
         if decode:
             forwards[-1].batched = True
-        parts: list[Sequence[int] | torch.Tensor] = []
-        for forward in forwards:
-            parts += [forward.ids, *forward.layout.host]
-            if forward.draws is not None and forward.draws.samples:
-                parts.append(forward.draws.packed())
-        views = iter(self.buffers.upload(parts))
-        for forward in forwards:
-            forward.device = [next(views)]
-            forward.layout.bind(*[next(views) for _ in forward.layout.host])
-            if forward.draws is not None and forward.draws.samples:
-                forward.device.append(next(views))
+        upload(self.buffers, forwards, flight)
         return forwards
 
-    def _reserve(self, works: Sequence[Work]) -> list[EngineSeq]:
-        """The rows' sequences, their blocks reserved and slots worked out up to the work."""
-        seqs = [self.seqs[w.id] for w in works]
-        for seq, work in zip(seqs, works, strict=True):
-            assert seq.cached == work.start, (seq.id, seq.cached, work.start)
-            self.pool.reserve(seq.blocks, work.end)
-            if work.end > len(seq.slots):  # only the new tokens' slots are worked out
-                seq.slots += self.pool.slot_list(seq.blocks, work.end, len(seq.slots))
-        return seqs
-
-    def _plan_decode(self, works: Sequence[Work]) -> Forward:
-        """The decoding rows padded to their shape class (or, past every class, to their
-        own count and longest context): one token each, real rows first."""
-        seqs = self._reserve(works)
-        longest = max(w.end for w in works)
-        shape = self.shapes.fit(len(works), longest) or (len(works), longest)
-        layout = DecodeLayout(self.pool, [s.blocks for s in seqs], [w.end for w in works],
-                              shape, bind=False)
-        ids = [seq.tokens(w.start, w.end)[0] for seq, w in zip(seqs, works, strict=True)]
-        return Forward(seqs, list(works), layout, ids + [0] * (layout.rows - len(ids)),
-                       self._draws(seqs, works), batched=True)
-
-    def _plan_packed(self, works: Sequence[Work]) -> Forward:
-        """The step's prefill chunks one after another in one row, padded at the end to
-        their (queries, keys) class (or, past every class, not at all)."""
-        seqs = self._reserve(works)
-        queries, keys = sum(w.tokens for w in works), sum(w.end for w in works)
-        # + 1 key: padding queries must have a padding key to read (PackedLayout)
-        shape = self.prefills.fit(queries, keys + 1) if len(works) <= self.max_seqs else None
-        layout = PackedLayout(self.pool, [s.slots for s in seqs], [w.start for w in works],
-                              [w.end for w in works], bind=False, shape=shape,
-                              rows=self.max_seqs)
-        ids: list[int] = []
-        for seq, work in zip(seqs, works, strict=True):
-            ids += seq.tokens(work.start, work.end)
-        return Forward(seqs, list(works), layout, ids + [0] * (layout.queries - queries),
-                       self._draws(seqs, works), batched=False)
-
-    def _draws(self, seqs: Sequence[EngineSeq], works: Sequence[Work]) -> RowDraws | None:
-        if not any(w.emits for w in works):
-            return None
-        return RowDraws.of([s.text.params for s in seqs], [s.seed for s in seqs],
-                           [len(s.text.generated) for s in seqs])
-
-    def _plan(self, works: Sequence[Work]) -> Forward:
-        """One forward's rows: blocks reserved, slots laid out, ids left-padded."""
-        seqs = self._reserve(works)
-        layout = StepLayout(self.pool, [s.blocks for s in seqs], [w.start for w in works],
-                            [w.end for w in works], bind=False, slots=[s.slots for s in seqs])
-        ids: list[int] = []
-        for seq, work in zip(seqs, works, strict=True):
-            ids += [0] * (layout.queries - work.tokens) + seq.tokens(work.start, work.end)
-        return Forward(seqs, list(works), layout, ids, self._draws(seqs, works),
-                       batched=False)
-
-    def _run(self, forward: Forward) -> list[Delta]:
-        """The forward, then its rows' tokens chosen on the device, copied back at once."""
+    def _run(self, forward: Forward) -> torch.Tensor | None:
+        """The forward, then each of its rows' token chosen on the device (None when no
+        row emits one)."""
         logits = self._forward(forward)
         if forward.draws is None:
-            return []
+            return None
         packed = forward.device[1] if len(forward.device) > 1 else None
-        tokens: list[int] = choose_tokens(logits, forward.draws, packed).tolist()
+        return choose_tokens(logits, forward.draws, packed)
+
+    def _take(self, forward: Forward, tokens: list[int]) -> list[Delta]:
+        """Each emitting row's token appended to its sequence, unless that was dropped or
+        ended since the forward was launched."""
         return [self._append(seq, token) for seq, work, token
-                in zip(forward.seqs, forward.works, tokens, strict=True) if work.emits]
+                in zip(forward.seqs, forward.works, tokens, strict=True)
+                if work.emits and not seq.ended and self.seqs.get(seq.id) is seq]
 
     def _forward(self, forward: Forward) -> torch.Tensor:
         """The logits of each real row's last token [rows, vocab]: a captured graph's
@@ -277,6 +264,7 @@ class GenerationEngine:
     def _append(self, seq: EngineSeq, token: int) -> Delta:
         delta = seq.text.append(seq.id, token, self.decode)
         if delta.finish_reason:
+            seq.ended = True
             self._forget(seq)  # its blocks are free for the next step
         return delta
 

@@ -7,6 +7,10 @@ one. Here the host writes them, in place, into one preallocated int64 buffer (pi
 CUDA, so the copy is asynchronous), one copy moves it to a preallocated device buffer, and
 the step's tensors are views of that. Floats ride as their float64 bits. A buffer grows (to
 the next power of two) only when a step needs more than any before.
+
+The step's tokens come back the same way: one copy into a preallocated pinned buffer,
+asynchronous, with an event the host waits on only when it reads them. Two such buffers
+take turns, since the host may still read step n's while step n + 1's copy is queued.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ class StepBuffers:
     def __init__(self, device: torch.device, capacity: int = INITIAL_CAPACITY) -> None:
         self.device = device
         self.copies = 0  # host-to-device copies made (what a step costs; tests count it)
+        self.copies_back = 0  # device-to-host copies of tokens
         self._pinned = device.type == "cuda"
         self._copied: torch.cuda.Event | None = None
+        self._back = [torch.empty(0, dtype=torch.long, pin_memory=self._pinned)] * 2
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -61,3 +67,21 @@ class StepBuffers:
             views.append(self.staged[at:at + size])
             at += size
         return views
+
+    def download(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The tokens on the host: on a CPU the tensor itself; on a device a view of the
+        next pinned buffer, copied asynchronously, and the event that marks the copy done."""
+        self.copies_back += 1
+        if tokens.device.type == "cpu":
+            return tokens, None
+        self._back.reverse()  # the other buffer: the last one's tokens may be unread yet
+        size = tokens.numel()
+        if size > self._back[0].numel():
+            self._back[0] = torch.empty(1 << (size - 1).bit_length(), dtype=torch.long,
+                                        pin_memory=self._pinned)
+        host = self._back[0][:size]
+        host.copy_(tokens, non_blocking=self._pinned)
+        copied = torch.cuda.Event() if self._pinned else None
+        if copied is not None:
+            copied.record()
+        return host, copied

@@ -8,7 +8,13 @@ round trip (streams/token_streams.py), on the chunk writer's thread while the ne
 (pipeline/chunk_writer.py); a prefilled request's first chunk is queued as soon as its own
 forward is done. Finished requests become answers for the reply thread, which writes the
 `done` entry (or the list reply) with the XACK, ownership-checked; they are queued behind
-their chunks, so a `done` entry never overtakes them.
+their chunks, so a `done` entry never overtakes them. What each live request's chunks and
+answer are is pipeline/live_requests.py's.
+
+On a GPU (`overlap`) the steps overlap: step n + 1 is launched on the device before step n's
+tokens are read, and step n's host work (tokens, text, chunks, answers, the next schedule)
+runs while the device computes; a sequence that ended in step n rides along in step n + 1,
+whose token for it is dropped (docs/protocol.md: a cancel takes effect within two steps).
 
 Durability: a redelivered request (claimed from a dead consumer, or our own after a restart)
 continues from what its reply stream holds: the prompt and the tokens already streamed are
@@ -25,26 +31,20 @@ from dataclasses import dataclass
 
 import structlog
 
-from producer import protocol
 from producer.protocol import ErrorCode
 from worker.execution.detokenize import Delta
-from worker.execution.generation import GenerationEngine
+from worker.execution.generation import GenerationEngine, Launched
 from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
 from worker.pipeline import ports
-from worker.pipeline.answers import Answer, AnswerQueue, error_answer
-from worker.pipeline.chunk_writer import ChunkWriter, Outgoing
-from worker.pipeline.generative_envelopes import (
-    delta_envelope,
-    final_answer,
-    generation_meta,
-    routed_error,
-)
+from worker.pipeline.answers import Answer, AnswerQueue
+from worker.pipeline.chunk_writer import ChunkWriter
+from worker.pipeline.generative_envelopes import final_answer
 from worker.pipeline.inflight import InFlight
+from worker.pipeline.live_requests import LiveRequests
 from worker.pipeline.retry import Grace, RedisRetry
 from worker.policy.batching import Batcher, Pending
 from worker.policy.decoding import DecodingScheduler, SeqState, StepPlan
-from worker.policy.flow import entry_time_ms, is_past_deadline
 from worker.streams.token_streams import Progress
 
 log = structlog.get_logger("redbatch.worker")
@@ -59,17 +59,13 @@ class GenerateConfig:
     keepalive_s: float = 10.0  # below claim_idle_ms, so a live entry never looks idle
 
 
-@dataclass(slots=True)
-class Live:
-    """A request between its admission and its answer."""
+@dataclass(frozen=True, slots=True)
+class Stepping:
+    """A launched step, until it completes."""
 
-    pending: Pending
-    data: GenerationInput
-    key: str  # its reply stream
-    chunks: int = 0  # deltas written
-    resumed_at: int = 0  # chunks another worker (or our previous process) had written
-    started_ms: float | None = None  # its first step
-    first_token_ms: float | None = None
+    plan: StepPlan
+    launched: Launched
+    started: float  # perf_counter at its scheduling
 
 
 class GenerateLoop:
@@ -82,18 +78,22 @@ class GenerateLoop:
         self.inflight, self.answers, self.grace = inflight, answers, grace
         self.streams, self.retry = streams, retry
         self.writer = ChunkWriter(streams, retry, answers)
-        self.live: dict[str, Live] = {}
+        self.live = LiveRequests(config.model_name, config.consumer, config.namespace)
         self.steps = 0
+        # on a GPU a step's host work (its tokens, text, chunks, answers) runs while the
+        # device computes the next step; a CPU computes in this thread, so it gains nothing
+        # there and a prefilled request's first token would wait a step longer
+        self.overlap = engine.device.type == "cuda"
+        self.in_flight: Stepping | None = None
         self._next_keepalive = time.monotonic() + config.keepalive_s
 
     def run(self) -> None:
         """Step while anything runs or waits; block for work when idle; return once
         reading has stopped and nothing is left, or the shutdown grace has passed."""
         try:
-            while self.take(block=not len(self.scheduler)):
+            while self.take(block=not len(self.scheduler) and self.in_flight is None):
                 self.keep_alive()
-                if len(self.scheduler):
-                    self.step()
+                self.step()
         finally:
             self.writer.close()
 
@@ -116,8 +116,8 @@ class GenerateLoop:
                 members, expired = self._drain()
         if self.grace.left() <= 0:
             return False
-        answers = [self._error(p, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
-                   for p in expired]
+        answers = [self.live.error(p, ErrorCode.DEADLINE_EXCEEDED,
+                                   "deadline passed while queued") for p in expired]
         answers += self._admit_all(members)
         if answers:
             self.answers.put(answers)
@@ -139,15 +139,11 @@ class GenerateLoop:
         """Admit each; redelivered streamed ones first read their reply streams (one round
         trip for all) to resume where they were."""
         again = [p for p in members if p.item.data.redelivered and p.item.data.stream]
-        found = self.retry(self.streams.progress, [self._key(p) for p in again]) if again \
-            else []
+        found = self.retry(self.streams.progress, [self.live.key(p) for p in again]) \
+            if again else []
         progress = {p.entry_id: f for p, f in zip(again, found, strict=True)}
         answers = [self._admit(p, progress.get(p.entry_id)) for p in members]
         return [a for a in answers if a is not None]
-
-    def _key(self, pending: Pending) -> str:
-        request = pending.request
-        return protocol.token_stream_key(self.config.namespace, request.id, request.reply_to)
 
     def _admit(self, pending: Pending, progress: Progress | None = None) -> Answer | None:
         data: GenerationInput = pending.item.data
@@ -157,14 +153,14 @@ class GenerateLoop:
                                 self.config.namespace, True, progress.done_index - 1)
         prompt_len, max_new = len(data.prompt_ids), data.params.max_new_tokens
         if not self.scheduler.fits(prompt_len, max_new):
-            return self._error(pending, ErrorCode.TOO_LARGE,
+            return self.live.error(pending, ErrorCode.TOO_LARGE,
                                f"{prompt_len} prompt tokens + max_new_tokens {max_new} exceed "
                                f"the KV cache budget of {self.scheduler.limits.kv_tokens} "
                                "tokens (kv_cache_bytes)")
         request = pending.request
         self.engine.add(pending.entry_id, data.prompt_ids, data.params,
                         entropy=random.getrandbits(63))
-        live = self.live[pending.entry_id] = Live(pending, data, self._key(pending))
+        live = self.live.add(pending, data)
         generated = 0
         if progress is not None and progress.chunks:
             live.chunks = live.resumed_at = progress.chunks
@@ -185,115 +181,93 @@ class GenerateLoop:
         if now < self._next_keepalive or not self.live:
             return
         self._next_keepalive = now + self.config.keepalive_s
-        for entry_id in self.retry(self.streams.keep_alive, list(self.live)):
-            self.live.pop(entry_id, None)
+        for entry_id in self.retry(self.streams.keep_alive, self.live.ids()):
+            self.live.forget(entry_id)
             self.scheduler.remove(entry_id)
             self.engine.drop(entry_id)
             self.inflight.release([entry_id])
             log.warning("generate.lost", entry_id=entry_id)
 
-    def _error(self, pending: Pending, code: ErrorCode, message: str) -> Answer:
-        answer = error_answer(pending.entry_id, pending.request, code, message)
-        return routed_error(answer, pending.request, self.config.namespace,
-                            pending.item.data.stream)
-
     # --- one step -----------------------------------------------------------------------------
 
     def step(self) -> None:
+        """Launch the next step if anything runs or waits, then complete the one launched
+        before it (`overlap`), or this one at once."""
+        previous = self.in_flight
+        self.in_flight = self._launch() if len(self.scheduler) else None
+        if previous is not None:
+            self._complete(previous)
+        if not self.overlap and self.in_flight is not None:
+            launched, self.in_flight = self.in_flight, None
+            self._complete(launched)
+
+    def _launch(self) -> Stepping | None:
+        """Schedule a step and start it on the device. Its tokens are counted now (a request
+        at its max_new_tokens leaves the scheduler; it is answered once that token is in);
+        one that ends otherwise (EOS, a stop string) is known only when the step completes,
+        so with `overlap` it rides along one more step, whose token is dropped."""
         plan = self.scheduler.schedule()
-        started, now_ms = time.perf_counter(), time.time() * 1000
-        for entry_id in plan.admitted:
-            live = self.live[entry_id]
-            live.started_ms = live.started_ms or now_ms
-        early: set[str] = set()
+        self.scheduler.update()
+        started = time.perf_counter()
+        self.live.started(plan.admitted)
         try:
-            output = self.engine.step(plan, lambda delta: self._write_first(delta, early))
+            launched = self.engine.launch(plan, None if self.overlap else self._write_first)
         except Exception as exc:
             log.exception("generate.step_failed", sequences=len(plan.work))
-            self._fail_all(plan, exc)
+            self._fail_all(exc)
+            return None
+        return Stepping(plan, launched, started)
+
+    def _complete(self, stepping: Stepping) -> None:
+        """The step's tokens in: its chunks and its answers written (one round trip, on the
+        writer's thread), the previous write's cancel flags applied."""
+        try:
+            output = self.engine.finish(stepping.launched)
+        except Exception as exc:
+            log.exception("generate.step_failed", sequences=len(stepping.plan.work))
+            self._fail_all(exc)
             return
         self.steps += 1
-        chunks = self._chunks([d for d in output.deltas if d.id not in early])
+        early = {d.id for d in stepping.launched.early}  # their chunks are out already
+        chunks = self.live.chunks([d for d in output.deltas if d.id not in early])
         cancelled = self.writer.wait()  # the previous step's check, out while this step ran
         reasons = {d.id: d.finish_reason for d in output.deltas if d.finish_reason}
-        gone = [s.id for s in self.scheduler.update(output.finished)]
-        gone += [c for c in cancelled if c not in gone and self.scheduler.remove(c)]
+        for entry_id in reasons:
+            self.scheduler.remove(entry_id)  # if still there: not at its max_new_tokens
+        gone = list(reasons) + [c for c in cancelled if c not in reasons
+                                and self.scheduler.remove(c)]
         answers = [self._finish(i, reasons.get(i) or "cancelled") for i in gone]
-        answers += self._expire()
-        self.writer.write(chunks, self._cancel_keys(), answers)
-        metrics.record_step(self.config.model_name, time.perf_counter() - started,
+        answers += [self._stop(i, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while "
+                               "generating") for i in self.live.past_deadline()]
+        self.writer.write(chunks, self.live.cancel_keys(), answers)
+        plan = stepping.plan
+        metrics.record_step(self.config.model_name, time.perf_counter() - stepping.started,
                             len(output.deltas), len(plan.preempted),
                             len(self.scheduler.running), len(self.scheduler.waiting))
         log.debug("generate.step", decode=len(plan.decode), prefill=len(plan.prefill),
                   tokens=plan.tokens, preempted=len(plan.preempted), finished=len(gone))
 
-    def _write_first(self, delta: Delta, early: set[str]) -> None:
+    def _write_first(self, delta: Delta) -> None:
         """A prefilled sequence's token, queued as soon as it is sampled (mid-step)."""
-        early.add(delta.id)
-        if chunks := self._chunks([delta]):
+        if chunks := self.live.chunks([delta]):
             self.writer.write(chunks)
 
-    def _cancel_keys(self) -> dict[str, str]:
-        """Every live request's cancel key, by entry id."""
-        return {i: protocol.cancel_key(self.config.namespace, live.pending.request.id)
-                for i, live in self.live.items()}
-
-    def _chunks(self, deltas: list[Delta]) -> list[Outgoing]:
-        """The reply stream entries of these deltas (and their first-token times), to be
-        encoded on the writer's thread."""
-        now_ms = time.time() * 1000
-        chunks = []
-        for delta in deltas:
-            live = self.live[delta.id]
-            if live.first_token_ms is None:
-                live.first_token_ms = now_ms
-                metrics.TIME_TO_FIRST_TOKEN.labels(self.config.model_name).observe(
-                    (now_ms - entry_time_ms(delta.id)) / 1000)
-            if delta.text and live.data.stream:
-                live.chunks += 1
-                request = live.pending.request
-                envelope = delta_envelope(request.id, live.chunks, delta.text, delta.token_ids)
-                chunks.append(Outgoing(live.key, live.chunks, envelope, request.content_type))
-        return chunks
-
     def _finish(self, entry_id: str, reason: str) -> Answer:
-        live = self.live.pop(entry_id)
+        """A sequence that ended (or was cancelled): its success answer."""
         seq = self.engine.drop(entry_id)
         assert seq is not None
-        request, config = live.pending.request, self.config
-        meta = generation_meta(config.model_name, config.consumer, entry_id, live.started_ms,
-                               live.first_token_ms, time.time() * 1000, live.resumed_at)
-        result = {"text": seq.text.text, "tokens": len(seq.text.generated),
-                  "prompt_tokens": len(live.data.prompt_ids), "finish_reason": reason}
-        metrics.GENERATIONS_FINISHED.labels(config.model_name, reason).inc()
-        return final_answer(entry_id, request, protocol.success_envelope(request.id, result,
-                                                                         meta),
-                            config.namespace, live.data.stream, live.chunks)
-
-    def _expire(self) -> list[Answer]:
-        """Running or waiting sequences past their `deadline_ms`: stopped, answered
-        `deadline_exceeded` (after the chunks already streamed)."""
-        now_ms = int(time.time() * 1000)
-        late = [i for i, live in self.live.items()
-                if is_past_deadline(live.pending.request.deadline_ms, now_ms)]
-        return [self._stop(i, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while generating")
-                for i in late]
+        return self.live.finished(entry_id, reason, seq.text)
 
     def _stop(self, entry_id: str, code: ErrorCode, message: str) -> Answer:
         """End one live request with an error, placed after its streamed chunks."""
-        live = self.live.pop(entry_id)
         self.scheduler.remove(entry_id)
         self.engine.drop(entry_id)
-        answer = self._error(live.pending, code, message)
-        if answer.stream_index:
-            answer.stream_index = live.chunks + 1
-        metrics.GENERATIONS_FINISHED.labels(self.config.model_name, code.value).inc()
-        return answer
+        return self.live.stopped(entry_id, code, message)
 
-    def _fail_all(self, plan: StepPlan, exc: Exception) -> None:
+    def _fail_all(self, exc: Exception) -> None:
         """The model raised in a step: every live request is answered `model_error`
         (the step may have left their caches half-updated)."""
-        self.scheduler.update()
+        self.in_flight = None  # its tokens, if any, belong to requests answered here
         message = f"{type(exc).__name__}: {exc}"
         self.writer.write([], None, [self._stop(i, ErrorCode.MODEL_ERROR, message)
-                                     for i in list(self.live)])
+                                     for i in self.live.ids()])

@@ -36,10 +36,14 @@ def reference_lm(tiny_path: Path) -> Iterator[tuple[Any, Any]]:
         AutoTokenizer.from_pretrained(tiny_path)
 
 
-@pytest.fixture
-def tiny_worker(worker_factory: Callable[..., Any], tiny_path: Path) -> Iterator[Any]:
+@pytest.fixture(params=[False, True], ids=["steps-in-turn", "overlapped-steps"])
+def tiny_worker(worker_factory: Callable[..., Any], tiny_path: Path,
+                request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The tiny model's worker, its steps one after another (as on a CPU) or overlapped (as
+    on a GPU: step n's tokens read while step n + 1 runs, pipeline/generate.py)."""
     options = {"path": str(tiny_path), "max_new_tokens": 16, "max_new_tokens_limit": 64}
     with worker_factory(model="causal_lm", model_options=options) as worker:
+        worker.computes[0].overlap = request.param  # idle until the test's first request
         yield worker
 
 

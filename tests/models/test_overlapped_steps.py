@@ -1,0 +1,124 @@
+"""Overlapped steps (worker/execution/generation.py `launch` / `finish`, staging.py): step n + 1
+is launched before step n's tokens reach the host, as the generate loop does on a GPU. Its
+decoding rows read their input tokens on the device, a sequence that ended in step n rides
+along one more step whose token is dropped, and every sequence gets the tokens the steps
+give one at a time, greedy and seeded-sampled, row by row and GPU-shaped."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.rigs.tiny_lm import build_tiny_lm
+from worker.execution.generation import GenerationEngine, Launched
+from worker.execution.kv_pool import BLOCK_TOKENS
+from worker.models.generation_params import SamplingParams
+from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny_lm(tmp_path_factory.mktemp("tiny-gpt2"))
+    yield AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def started(tiny: tuple[Any, Any], gpu_shapes: bool,
+            prompts: int = 9) -> tuple[GenerationEngine, DecodingScheduler]:
+    """Greedy and seeded-sampled requests, some ending at EOS, a stop string or their
+    max_new_tokens, more than the engine runs at once (so some wait and are admitted
+    while others decode)."""
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id], max_seqs=4,
+                              gpu_shapes=gpu_shapes)
+    scheduler = DecodingScheduler(SchedulerLimits(max_seqs=4, max_step_tokens=24))
+    for i in range(prompts):
+        stop = ("e",) if i % 3 == 2 else ()
+        params = SamplingParams(6 + 4 * i, 0.9, 0.9, 30, seed=i, stop=stop) if i % 2 else \
+            SamplingParams(6 + 4 * i, stop=stop)
+        ids = tokenizer(f"the stream {'of entries ' * i}{i}").input_ids
+        engine.add(str(i), ids, params)
+        scheduler.add(SeqState(str(i), len(ids), 6 + 4 * i))
+    return engine, scheduler
+
+
+def one_at_a_time(engine: GenerationEngine, scheduler: DecodingScheduler) -> dict[str, str]:
+    texts: dict[str, str] = {}
+    while len(scheduler):
+        for seq in scheduler.update(engine.step(scheduler.schedule()).finished):
+            done = engine.drop(seq.id)
+            assert done is not None
+            texts[seq.id] = done.text.text
+    return texts
+
+
+def overlapped(engine: GenerationEngine, scheduler: DecodingScheduler) -> dict[str, str]:
+    """As the generate loop does with `overlap`: launch step n + 1, then finish step n."""
+    texts: dict[str, str] = {}
+    previous: Launched | None = None
+    while len(scheduler) or previous is not None:
+        launched = None
+        if len(scheduler):
+            plan = scheduler.schedule()
+            scheduler.update()
+            launched = engine.launch(plan)
+        if previous is not None:
+            for delta in engine.finish(previous).deltas:
+                if delta.finish_reason:
+                    scheduler.remove(delta.id)
+                    done = engine.drop(delta.id)
+                    assert done is not None
+                    texts[delta.id] = done.text.text
+        previous = launched
+    return texts
+
+
+@pytest.mark.parametrize("gpu_shapes", [False, True], ids=["row-by-row", "gpu-shaped"])
+def test_overlapped_steps_give_every_sequence_the_tokens_of_steps_one_at_a_time(
+        tiny: tuple[Any, Any], gpu_shapes: bool) -> None:
+    expected = one_at_a_time(*started(tiny, gpu_shapes))
+    engine, scheduler = started(tiny, gpu_shapes)
+    late: list[int] = []
+    sent_back: list[bool] = []
+    launch = engine.launch
+
+    def counting(plan: Any, on_prefilled: Any = None) -> Launched:
+        launched = launch(plan, on_prefilled)
+        late.append(sum(len(f.late[0]) for f in launched.forwards))
+        sent_back.append(launched.tokens is not None)
+        return launched
+
+    engine.launch = counting  # type: ignore[method-assign]
+    assert overlapped(engine, scheduler) == expected and len(expected) == 9
+    assert sum(late) > 20  # decoding rows read their token on the device
+    assert engine.buffers.copies_back == sum(sent_back)  # one copy back per step at most
+    assert not engine.seqs and engine.flight is None
+    assert engine.pool.free_tokens == (engine.pool.blocks - 1) * BLOCK_TOKENS  # all given back
+
+
+def test_a_sequence_ended_in_flight_is_not_given_the_late_step_s_token(
+        tiny: tuple[Any, Any]) -> None:
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id])
+    scheduler = DecodingScheduler(SchedulerLimits())
+    ids = tokenizer("hello redis").input_ids
+    engine.add("a", ids, SamplingParams(2))
+    scheduler.add(SeqState("a", len(ids), 50))  # the scheduler does not know it ends at 2
+    first = engine.launch(scheduler.schedule())
+    scheduler.update()
+    second = engine.launch(scheduler.schedule())  # its decode row reads the first's token
+    scheduler.update()
+    third = engine.launch(scheduler.schedule())  # a step too late: it has ended by then
+    assert [d.finish_reason for d in engine.finish(first).deltas] == [None]
+    assert [d.finish_reason for d in engine.finish(second).deltas] == ["length"]
+    assert engine.finish(third).deltas == [] and len(engine.seqs["a"].text.generated) == 2
+    assert engine.flight is None
+    assert engine.pool.free_tokens == (engine.pool.blocks - 1) * BLOCK_TOKENS
