@@ -29,9 +29,10 @@ for log in /tmp/redbatch-gen-bench-*/*.log; do  # left behind only if the stage 
   [ -f "$log" ] && { echo "--- $log"; tail -40 "$log"; } | tee -a "$LOG"
 done
 stage 40 python3 -m bench.generative.host_path --device cuda --rounds 2
-stage 30 python3 -m pytest -q -p no:cacheprovider --timeout 30 -k "cuda or precision or gpu_shaped" \
+stage 40 python3 -m pytest -q -p no:cacheprovider --timeout 30 -k "cuda or precision or gpu_shaped" \
   tests/unit/execution/test_devices.py tests/unit/execution/test_sampling_batch.py \
   tests/models/test_engine_step.py tests/models/test_gpu_shaped_steps.py \
+  tests/models/test_overlapped_steps.py \
   tests/redis/single/test_cuda_graphs.py \
   tests/redis/single/test_precision.py
-stage 60 python3 -m bench.gpu_check --checks exactness --out "$OUT"
+stage 50 python3 -m bench.gpu_check --checks exactness --out "$OUT"

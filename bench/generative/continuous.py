@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from worker.execution.generation import GenerationEngine, StepOutput
+from worker.execution.generation import GenerationEngine, Launched
 from worker.execution.staging import EngineSeq, Forward
 from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState, StepPlan
@@ -65,9 +65,9 @@ class RecordingEngine(GenerationEngine):
         self.chunks: dict[str, int] = {}
         self.was_preempted: set[str] = set()
 
-    def step(self, plan: StepPlan) -> StepOutput:
+    def launch(self, plan: StepPlan, on_prefilled: Any = None) -> Launched:
         self.was_preempted.update(plan.preempted)
-        return super().step(plan)
+        return super().launch(plan, on_prefilled)
 
     def _forward(self, forward: Forward) -> torch.Tensor:
         logits = super()._forward(forward)
@@ -82,7 +82,8 @@ class RecordingEngine(GenerationEngine):
         return logits
 
     def _note(self, seq: EngineSeq, logits: torch.Tensor, path: str, width: int) -> None:
-        index = len(seq.text.generated)
+        in_flight = self.flight is not None and seq.id in self.flight.rows  # overlapped
+        index = len(seq.text.generated) + in_flight
         expected = self.expected.get(seq.id, ())
         row = logits.float()
         value = float(row[expected[index]]) if index < len(expected) else None
@@ -98,27 +99,38 @@ def arrivals_by_step(requests: Iterable[Request]) -> dict[int, list[Request]]:
     return steps
 
 
-def serve(engine: RecordingEngine, limits: SchedulerLimits,
-          requests: Sequence[Request]) -> Served:
-    """Greedy decoding of every request, continuous-batched, until all are done."""
+def serve(engine: RecordingEngine, limits: SchedulerLimits, requests: Sequence[Request],
+          overlap: bool = False) -> Served:
+    """Greedy decoding of every request, continuous-batched, until all are done; with
+    `overlap`, step n + 1 is launched before step n finishes, as the generate loop does on a
+    GPU (a sequence that ended in step n rides along in step n + 1, its token dropped)."""
     sched = DecodingScheduler(limits)
     arrivals = arrivals_by_step(requests)
     served, last = Served(), max(arrivals)
+    states: dict[str, SeqState] = {}
+    previous: Launched | None = None
     started = time.perf_counter()
-    while served.steps <= last or len(sched):
+    while served.steps <= last or len(sched) or previous is not None:
         for request in arrivals.get(served.steps, []):
             engine.add(request.id, request.prompt_ids, SamplingParams(request.max_new_tokens))
-            sched.add(SeqState(request.id, len(request.prompt_ids), request.max_new_tokens))
+            states[request.id] = SeqState(request.id, len(request.prompt_ids),
+                                          request.max_new_tokens)
+            sched.add(states[request.id])
         served.steps += 1
         plan = sched.schedule()
-        if not plan:
-            continue
-        served.widest = max(served.widest, len(plan.decode))
-        output = engine.step(plan)
-        for seq in sched.update(output.finished):
-            served.tokens[seq.id] = engine.seqs[seq.id].text.generated
-            served.preemptions[seq.id] = seq.preemptions
-            engine.drop(seq.id)
+        launched = None
+        if plan:
+            served.widest = max(served.widest, len(plan.decode))
+            sched.update()  # counted now: one at its max_new_tokens leaves
+            launched = engine.launch(plan)
+        done, previous = (previous, launched) if overlap else (launched, None)
+        for delta in engine.finish(done).deltas if done is not None else []:
+            if delta.finish_reason:
+                sched.remove(delta.id)
+                seq = engine.drop(delta.id)
+                assert seq is not None
+                served.tokens[delta.id] = seq.text.generated
+                served.preemptions[delta.id] = states[delta.id].preemptions
     served.seconds = time.perf_counter() - started
     served.emitted, served.chunks = engine.emitted, engine.chunks
     return served

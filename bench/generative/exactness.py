@@ -195,6 +195,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-shapes", action="store_true", help=(
         "steps shaped for a GPU (decodes padded to shape classes, prefills packed) on any "
         "device; a CUDA device uses them anyway"))
+    parser.add_argument("--overlap", action="store_true", help=(
+        "step n + 1 launched before step n's tokens are read, as the generate loop does on "
+        "a GPU"))
     return parser.parse_args(argv)
 
 
@@ -205,10 +208,11 @@ def command(args: argparse.Namespace) -> str:
     return "python -m bench.generative.exactness " + " ".join(flags)
 
 
-def report_name(device: torch.device, dtype: str, gpu_shapes: bool) -> str:
-    if device.type == "cpu" and dtype == "float32" and not gpu_shapes:
+def report_name(device: torch.device, dtype: str, gpu_shapes: bool, overlap: bool) -> str:
+    if device.type == "cpu" and dtype == "float32" and not gpu_shapes and not overlap:
         return NAME  # the stored report, rewritten by a rerun
     shaped = "-gpu-shapes" if gpu_shapes and device.type == "cpu" else ""
+    shaped += "-overlap" if overlap else ""
     return f"{datetime.date.today().isoformat()}-smollm2-exactness-{dtype}-{device.type}{shaped}"
 
 
@@ -233,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = RecordingEngine(model.lm, model.tokenizer, device, model.eos_ids,
                              {i: ref.tokens for i, ref in refs.items()},
                              gpu_shapes=args.gpu_shapes or None)
-    served = serve(engine, limits, requests)
+    served = serve(engine, limits, requests, overlap=args.overlap)
     differences, rows = compare(model, requests, refs, served)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": command(args), "dtype": args.dtype,
@@ -245,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "differences": [{**asdict(d), "near_tie": d.near_tie} for d in differences],
               "requests": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = report_name(device, args.dtype, args.gpu_shapes)
+    name = report_name(device, args.dtype, args.gpu_shapes, args.overlap)
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / f"{name}.md").write_text(markdown(report, differences))
     print(markdown(report, differences))

@@ -31,13 +31,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     yield AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def started(tiny: tuple[Any, Any], gpu_shapes: bool,
-            prompts: int = 9) -> tuple[GenerationEngine, DecodingScheduler]:
+def started(tiny: tuple[Any, Any], gpu_shapes: bool, prompts: int = 9,
+            device: torch.device = CPU) -> tuple[GenerationEngine, DecodingScheduler]:
     """Greedy and seeded-sampled requests, some ending at EOS, a stop string or their
     max_new_tokens, more than the engine runs at once (so some wait and are admitted
     while others decode)."""
     lm, tokenizer = tiny
-    engine = GenerationEngine(lm, tokenizer, CPU, [tokenizer.eos_token_id], max_seqs=4,
+    engine = GenerationEngine(lm, tokenizer, device, [tokenizer.eos_token_id], max_seqs=4,
                               gpu_shapes=gpu_shapes)
     scheduler = DecodingScheduler(SchedulerLimits(max_seqs=4, max_step_tokens=24))
     for i in range(prompts):
@@ -122,3 +122,19 @@ def test_a_sequence_ended_in_flight_is_not_given_the_late_step_s_token(
     assert engine.finish(third).deltas == [] and len(engine.seqs["a"].text.generated) == 2
     assert engine.flight is None
     assert engine.pool.free_tokens == (engine.pool.blocks - 1) * BLOCK_TOKENS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_overlapped_steps_and_their_graphs_give_the_tokens_of_steps_in_turn(
+        tiny: tuple[Any, Any]) -> None:
+    lm, tokenizer = tiny
+    cuda = (lm.to("cuda"), tokenizer)
+    try:
+        expected = one_at_a_time(*started(cuda, True, device=torch.device("cuda")))
+        engine, scheduler = started(cuda, True, device=torch.device("cuda"))
+        graphs = engine.capture_graphs()
+        assert graphs is not None
+        assert overlapped(engine, scheduler) == expected  # the copies back are asynchronous
+        assert graphs.replays["decode"] > 0 and graphs.replays["prefill"] > 0
+    finally:
+        lm.to("cpu")
