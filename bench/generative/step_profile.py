@@ -60,11 +60,16 @@ def profile_steps(model: Any, rows: int, gpu_shapes: bool, capture: bool) -> dic
         plans.append(scheduler.schedule())
         scheduler.update(engine.step(plans[-1]).finished)
 
-    before = engine.buffers.copies
-    prefill = counted(step, model.device) | {"copies in": engine.buffers.copies - before}
+    def copies(run: Callable[[], None]) -> dict[str, int]:
+        buffers = engine.buffers
+        before = buffers.copies, buffers.copies_back
+        counts = counted(run, model.device)
+        return counts | {"copies in": buffers.copies - before[0],
+                         "copies back": buffers.copies_back - before[1]}
+
+    prefill = copies(step)
     step()  # settle: the first decode step may allocate
-    before = engine.buffers.copies
-    decode = counted(step, model.device) | {"copies in": engine.buffers.copies - before}
+    decode = copies(step)
     assert len(plans[0].prefill) == rows and len(plans[-1].decode) == rows
     return {"prefill": prefill, "decode": decode}
 
@@ -93,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("prefill", "decode"):
         for path, run in runs.items():
             print(f"| {kind} | {path} | " + " | ".join(str(run[kind][k]) for k in keys) + " |")
-    print("(copies in: host-to-device uploads of the step's inputs; a step also makes one "
-          "device-to-host copy of its tokens)")
+    print("(copies in: host-to-device uploads of the step's inputs; copies back: "
+          "device-to-host copies of its tokens)")
     return 0
 
 

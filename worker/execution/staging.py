@@ -64,7 +64,8 @@ class Forward:
     ids: list[int]  # rows x queries, padded; a device view once uploaded
     draws: RowDraws | None  # None when no row emits a token
     batched: bool = False  # the step's decode rows together (else prefill chunks)
-    late: tuple[list[int], list[int]] = ([], [])  # ids positions, their tokens in flight
+    late: tuple[list[int], list[int]] = field(  # ids positions, their tokens in flight
+        default_factory=lambda: ([], []))
     device: list[torch.Tensor] = field(default_factory=list)  # ids (and draws) on device
 
 
