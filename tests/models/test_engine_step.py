@@ -88,3 +88,21 @@ def test_on_cuda_the_host_buffer_is_pinned_and_the_views_on_the_device() -> None
     buffers = StepBuffers(torch.device("cuda"))
     (view,) = buffers.upload([[4, 5]])
     assert buffers.host.is_pinned() and view.is_cuda and view.tolist() == [4, 5]
+
+
+def test_on_a_cpu_the_tokens_come_back_as_they_are() -> None:
+    buffers = StepBuffers(torch.device("cpu"))
+    tokens = torch.tensor([7, 8, 9])
+    host, copied = buffers.download(tokens)
+    assert host is tokens and copied is None and buffers.copies_back == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_tokens_come_back_into_pinned_buffers_that_take_turns() -> None:
+    buffers = StepBuffers(torch.device("cuda"))
+    first, first_copied = buffers.download(torch.arange(3, device="cuda"))
+    second, second_copied = buffers.download(torch.arange(5, 10, device="cuda"))
+    first_copied.synchronize()
+    second_copied.synchronize()
+    assert first.is_pinned() and second.is_pinned()
+    assert first.tolist() == [0, 1, 2] and second.tolist() == [5, 6, 7, 8, 9]  # not shared

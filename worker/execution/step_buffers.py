@@ -29,7 +29,8 @@ class StepBuffers:
         self.copies_back = 0  # device-to-host copies of tokens
         self._pinned = device.type == "cuda"
         self._copied: torch.cuda.Event | None = None
-        self._back = [torch.empty(0, dtype=torch.long, pin_memory=self._pinned)] * 2
+        self._back = [torch.empty(0, dtype=torch.long, pin_memory=self._pinned)
+                      for _ in range(2)]
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
