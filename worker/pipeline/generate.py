@@ -85,6 +85,7 @@ class GenerateLoop:
         # there and a prefilled request's first token would wait a step longer
         self.overlap = engine.device.type == "cuda"
         self.in_flight: Stepping | None = None
+        self._completed_at = 0.0  # perf_counter at the last step's completion
         self._next_keepalive = time.monotonic() + config.keepalive_s
 
     def run(self) -> None:
@@ -240,8 +241,11 @@ class GenerateLoop:
         answers += [self._stop(i, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while "
                                "generating") for i in self.live.past_deadline()]
         self.writer.write(chunks, self.live.cancel_keys(), answers)
-        plan = stepping.plan
-        metrics.record_step(self.config.model_name, time.perf_counter() - stepping.started,
+        plan, now = stepping.plan, time.perf_counter()
+        # overlapped, a step is timed from the previous one's completion, not its own launch
+        seconds = now - max(stepping.started, self._completed_at)
+        self._completed_at = now
+        metrics.record_step(self.config.model_name, seconds,
                             len(output.deltas), len(plan.preempted),
                             len(self.scheduler.running), len(self.scheduler.waiting))
         log.debug("generate.step", decode=len(plan.decode), prefill=len(plan.prefill),
