@@ -17,9 +17,11 @@ transformers' AttentionInterface): the forward's layout is set for its duration
 (`stepping`), and the forward keeps no cache of its own (`use_cache=False`).
 
 A step's inputs for all its forwards (token ids, positions, KV slots, the sampler's
-per-row inputs) go to the device in one copy through preallocated buffers
-(execution/step_buffers.py); each forward's tokens are chosen on the device
-(execution/sampling.py) and come back in one copy.
+per-row inputs) are staged on the host and go to the device in one copy through
+preallocated buffers (execution/staging.py, step_buffers.py); the tokens of all its forwards
+are chosen on the device (execution/sampling.py) and come back in one copy. `step` is
+`launch` then `finish`; between the two the caller may launch the next step, whose decoding
+rows then read their input tokens on the device (steps overlapped, on a GPU).
 
 Preempted and finished sequences give their blocks back; a preempted one's next prefill
 recomputes its cache from its tokens. Torch only: no Redis, no threads (the generate loop,
