@@ -239,8 +239,9 @@ class GenerationEngine:
         replay where one holds the step's shape, else the model's forward."""
         layout = forward.layout
         ids = forward.device[0].view(layout.rows, layout.queries)
-        graph = self.graphs.get(layout) if self.graphs is not None else None
-        logits = graph.replay(ids, layout) if graph is not None else self.logits(ids, layout)
+        logits = self.graphs.replay(ids, layout) if self.graphs is not None else None
+        if logits is None:
+            logits = self.logits(ids, layout)
         for seq, work in zip(forward.seqs, forward.works, strict=True):
             seq.cached = work.end
         return logits[:len(forward.seqs)]

@@ -30,7 +30,7 @@ import torch
 
 from worker.execution.kv_pool import KVPool
 from worker.execution.paged_attention import Layout
-from worker.execution.step_layouts import DecodeLayout, PackedLayout
+from worker.execution.step_layouts import DecodeLayout, PackedLayout, StepLayout
 from worker.policy.shape_classes import ShapeClasses
 
 log = structlog.get_logger("redbatch.step_graphs")
@@ -62,7 +62,7 @@ class StepGraph:
     logits: torch.Tensor  # [rows, vocab]
     graph: Any  # torch.cuda.CUDAGraph
 
-    def replay(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def replay(self, ids: torch.Tensor, layout: GraphLayout) -> torch.Tensor:
         """Copy the step's inputs in, replay; the logits stay valid until the next replay."""
         self.ids.copy_(ids, non_blocking=True)
         for mine, theirs in zip(self.layout.bound, layout.bound, strict=True):
@@ -77,12 +77,17 @@ class StepGraphs:
         self.decode, self.prefill = decode, prefill or {}
         self.replays = {"decode": 0, "prefill": 0}
 
-    def get(self, layout: Layout) -> StepGraph | None:
-        """The graph of the layout's class, if the layout is padded to a captured one."""
+    def replay(self, ids: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+        """The logits of the graph of the layout's class, replayed on the step's inputs;
+        None when the layout is not padded to a captured class (run it eagerly)."""
+        if isinstance(layout, StepLayout) or layout.shape is None:
+            return None
         kind = "decode" if isinstance(layout, DecodeLayout) else "prefill"
-        graph = getattr(self, kind).get(layout.shape) if layout.shape is not None else None
-        self.replays[kind] += graph is not None
-        return graph
+        graph = getattr(self, kind).get(layout.shape)
+        if graph is None:
+            return None
+        self.replays[kind] += 1
+        return graph.replay(ids, layout)
 
     @classmethod
     def capture(cls, engine: Engine) -> StepGraphs | None:

@@ -72,13 +72,11 @@ class StepLayout:
     def bind(self, write: torch.Tensor, history: torch.Tensor,
              positions: torch.Tensor) -> None:
         """The layout's tensors on the device (flat, as `host` holds them)."""
-        self.bound = (write, history, positions)
         self.write, self.history = write, history
         self.positions = positions.view(self.rows, self.queries)
 
     keep = 1  # the forward's `logits_to_keep`: each row's last query
     last_logits = staticmethod(last_query)
-    shape = None  # no class: never replayed by a CUDA graph
 
     @cached_property
     def read(self) -> torch.Tensor:
