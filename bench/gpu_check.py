@@ -1,8 +1,8 @@
 """`python -m bench.gpu_check`: the GPU paths, checked on a real device in one command.
 
-Seven checks, in the dtype `--dtype` resolves to (auto: bfloat16 on CUDA >= 8.0, float16
+Eight checks, in the dtype `--dtype` resolves to (auto: bfloat16 on CUDA >= 8.0, float16
 below), which the first line reports; `--checks` picks some (the first five, MiniLM's, within
-6 minutes on one GPU; the generative two within 5 more):
+6 minutes on one GPU; the generative three within 5 more):
   overlap     CUDA event timings: the next batch's copy happens during this batch's compute
   governor    a ballast allocation leaves little free memory: the caps are cut, and grow back
   oom split   a batch far too large for the memory left is split until it fits; all answered
@@ -14,12 +14,13 @@ below), which the first line reports; `--checks` picks some (the first five, Min
               tokenising), and sentence-transformers' encode at batch 32/128/512 in float32
               and float16, with the goals of issue 31 (bench/throughput/gpu_compare.py)
   generative  SmolLM2: redbatch through Redis, its engine in-process, transformers'
-              generate_batch and static generate() at concurrency 16 and 64, then TTFT
+              generate_batch and static generate() at concurrency 64 (128 prompts), then TTFT
               unloaded and at 50 % and 80 % load (bench/generative/run.py, on this device)
+  generative-16  the same at concurrency 16 (32 prompts)
   exactness   the engine against generate() on each prompt alone, both in this dtype, every
               difference with its margin in the dtype's rounding steps
               (bench/generative/exactness.py)
-Reports of the last two go to `--out`.
+Reports of the last three go to `--out` (the generative ones in c64/ and c16/).
 Without a CUDA device it says so and exits 0.
 """
 
@@ -211,12 +212,21 @@ def check_throughput(model: Model, device: torch.device, repeat: int = 50) -> No
             f"({served / offline:.0%} of offline)")
 
 
-def check_generative(device: torch.device, dtype: str, out: Path) -> None:
+def check_generative(device: torch.device, dtype: str, out: Path, concurrency: int = 64,
+                     prompts: int = 128) -> None:
+    """One concurrency a call, each with its own report folder: a stage cut at its time
+    limit still leaves the reports of the calls before it."""
     from bench.generative.run import main as generative
 
-    generative(["--device", str(device), "--dtype", dtype, "--concurrency", "64", "16",
-                "--prompts", "128", "--repeats", "1", "--kv-cache-mib", "4096",
-                "--out", str(out)])
+    generative(["--device", str(device), "--dtype", dtype, "--concurrency", str(concurrency),
+                "--prompts", str(prompts), "--repeats", "1", "--kv-cache-mib", "4096",
+                "--out", str(out / f"c{concurrency}")])
+
+
+def check_generative_16(device: torch.device, dtype: str, out: Path) -> None:
+    # 32 prompts, two waves: the baselines are launch-bound at 16 rows (on the first H200 run
+    # transformers' generate_batch made 62 tokens/s there), and 128 would take minutes
+    check_generative(device, dtype, out, concurrency=16, prompts=32)
 
 
 def check_exactness(device: torch.device, dtype: str, out: Path) -> None:
@@ -230,7 +240,9 @@ MinilmCheck = Callable[[Model, torch.device], object]
 MINILM_CHECKS: dict[str, MinilmCheck] = {
     "overlap": check_overlap, "governor": check_governor, "oom-split": check_oom_split,
     "throughput": check_throughput, "vs-sentence-transformers": compare}
-GENERATIVE_CHECKS = {"generative": check_generative, "exactness": check_exactness}
+GENERATIVE_CHECKS: dict[str, Callable[[torch.device, str, Path], None]] = {
+    "generative": check_generative, "generative-16": check_generative_16,
+    "exactness": check_exactness}
 
 
 def run_checks(args: argparse.Namespace, device: torch.device, dtype: str) -> int:

@@ -24,7 +24,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 transformers.__version__)" 2>&1 | tee -a "$LOG"
 stage 200 python3 -m bench.gpu_check --checks vs-sentence-transformers overlap governor \
   oom-split throughput
-stage 250 python3 -m bench.gpu_check --checks generative --out "$OUT"
+stage 160 python3 -m bench.gpu_check --checks generative --out "$OUT"
+stage 90 python3 -m bench.gpu_check --checks generative-16 --out "$OUT"
 for log in /tmp/redbatch-gen-bench-*/*.log; do  # left behind only if the stage was cut short
   [ -f "$log" ] && { echo "--- $log"; tail -40 "$log"; } | tee -a "$LOG"
 done
