@@ -190,7 +190,7 @@ def generation_parts(settings: Settings, model: Model, client: redis.Redis,
             ReplicaCount(settings.replicas_to_wait, settings.replicas_wait_ms))
     return GenerationParts(engine_for(model, settings.cuda_graphs),
                            DecodingScheduler(model.scheduler_limits()),
-                           streams)
+                           streams, model.overlap_steps)
 
 
 def fit_kv_cache(model: CausalLM, reading: MemoryReading, high_watermark: float) -> None:

@@ -78,10 +78,12 @@ class CausalLM(Model):
                  max_new_tokens_limit: int = 1024, max_step_tokens: int = 512,
                  max_seqs: int = 16, kv_cache_bytes: int = 256 << 20,
                  max_wait_steps: int = 32, prefill_first: bool = True,
-                 prefill_streak: int = 1) -> None:
+                 prefill_streak: int = 1, overlap_steps: bool | None = None) -> None:
         if not 1 <= max_new_tokens <= max_new_tokens_limit:
             raise ValueError("need 1 <= max_new_tokens <= max_new_tokens_limit")
         self.path, self.gguf_file = path, gguf_file
+        # launch step n + 1 before step n's host work (vLLM's async scheduling); None: on a GPU
+        self.overlap_steps = overlap_steps
         self.max_new_tokens, self.max_new_tokens_limit = max_new_tokens, max_new_tokens_limit
         self.limits = SchedulerLimits(  # checked now, at start-up; bytes_per_token at load
             max_step_tokens=max_step_tokens, max_seqs=max_seqs,

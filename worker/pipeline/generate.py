@@ -57,6 +57,7 @@ class GenerateConfig:
     consumer: str
     namespace: str
     keepalive_s: float = 10.0  # below claim_idle_ms, so a live entry never looks idle
+    overlap_steps: bool | None = None  # None: where the engine's device is a GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,8 @@ class GenerateLoop:
         # on a GPU a step's host work (its tokens, text, chunks, answers) runs while the
         # device computes the next step; a CPU computes in this thread, so it gains nothing
         # there and a prefilled request's first token would wait a step longer
-        self.overlap = engine.device.type == "cuda"
+        self.overlap = engine.device.type == "cuda" if config.overlap_steps is None \
+            else config.overlap_steps
         self.in_flight: Stepping | None = None
         self._completed_at = 0.0  # perf_counter at the last step's completion
         self._next_keepalive = time.monotonic() + config.keepalive_s

@@ -57,6 +57,7 @@ class GenerationParts:
     engine: GenerationEngine
     scheduler: DecodingScheduler
     streams: ports.TokenStreams
+    overlap_steps: bool | None = None  # None: where the engine's device is a GPU
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ class Worker:
 
     def _generate_loop(self, generation: GenerationParts, batcher: Batcher) -> GenerateLoop:
         config = GenerateConfig(self.name, self.settings.consumer, self.settings.namespace,
-                                keepalive_s=self.settings.claim_idle_ms / 3000)
+                                keepalive_s=self.settings.claim_idle_ms / 3000,
+                                overlap_steps=generation.overlap_steps)
         return GenerateLoop(config, generation.engine, generation.scheduler, batcher,
                             self.inflight, self.answers, self.grace, generation.streams,
                             self.retry)
@@ -145,12 +147,15 @@ class Worker:
         if self.settings.latency_target_ms:
             metrics.LATENCY_TARGET.labels(self.name).set(self.settings.latency_target_ms / 1000)
         self.ready.set()
+        generating = self.computes[0]
+        steps = {"overlapped_steps": generating.overlap} \
+            if isinstance(generating, GenerateLoop) else {}
         log.info("worker.serving", stream=self.reader.stream, group=self.settings.group,
                  consumer=self.settings.consumer, buckets=self.batcher.boundaries,
                  instances=len(self.runners), threads=self.layout.threads,
                  dtype=dtype_name(self.model.dtype),
                  layout=self.layout.reason, latency_target_ms=self.settings.latency_target_ms,
-                 batch_controller=self.settings.batch_controller)
+                 batch_controller=self.settings.batch_controller, **steps)
         try:
             self._compute_thread(self.computes[0])  # the first instance computes here
         finally:

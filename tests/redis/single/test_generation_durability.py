@@ -56,10 +56,12 @@ def spawn(tmp_path: Path, tiny_path: Path, redis_url: str) -> Iterator[Spawn]:
     started: list[WorkerProcess] = []
 
     def start(name: str, claim_idle_ms: int = 600, max_seqs: int = 16,
-              *flags: str, step_ms: float | None = None) -> WorkerProcess:
+              *flags: str, step_ms: float | None = None,
+              overlap_steps: bool | None = None) -> WorkerProcess:
         """`step_ms`: each decoding step takes at least that long (tests.rigs.plugin_models)."""
         options: dict[str, Any] = {"path": str(tiny_path), "max_new_tokens": 16,
-                                   "max_new_tokens_limit": 120, "max_seqs": max_seqs}
+                                   "max_new_tokens_limit": 120, "max_seqs": max_seqs,
+                                   "overlap_steps": overlap_steps}
         model = "causal_lm"
         if step_ms is not None:
             model, options["step_ms"] = "tests.rigs.plugin_models:SlowStepLM", step_ms
@@ -264,20 +266,41 @@ def kill_mid_generation(r: redis.Redis, workers: dict[str, WorkerProcess],
 def test_kill_9_mid_generation_every_stream_resumes_whole_and_identical(
         spawn: Spawn, r: redis.Redis, reference: tuple[Any, Any]) -> None:
     heaviest_on_redis_7_only(r)
-    workers = {name: spawn(name) for name in ("w0", "w1", "w2")}
+    kill_trials(spawn, r, reference, TRIALS)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_generation_with_overlapped_steps_resumes_whole_and_identical(
+        spawn: Spawn, r: redis.Redis, reference: tuple[Any, Any]) -> None:
+    """As above, the workers' steps overlapped as on a GPU (a step's tokens are read while
+    the next one runs, so a kill lands with a step in flight); half the trials (~30 s)."""
+    heaviest_on_redis_7_only(r)
+    kill_trials(spawn, r, reference, max(2, TRIALS // 2), overlap_steps=True)
+
+
+def kill_trials(spawn: Spawn, r: redis.Redis, reference: tuple[Any, Any], trials: int,
+                overlap_steps: bool | None = None) -> None:
+    """Three workers; each trial sends a mix of generations, kill -9s the busiest worker
+    mid-generation and restarts it: every stream ends whole and as uninterrupted."""
+    def start(name: str) -> WorkerProcess:
+        return spawn(name, overlap_steps=overlap_steps)
+
+    workers = {name: start(name) for name in ("w0", "w1", "w2")}
     for worker in workers.values():
         worker.wait_serving()
+    overlapped = f'"overlapped_steps": {"true" if overlap_steps else "false"}'
+    assert all(overlapped in w.log.read_text() for w in workers.values())
     totals = {"streams": 0, "interrupted": 0, "complete": 0, "identical": 0, "missing": 0,
               "repeated": 0, "resumed": 0}
     recoveries, started = [], time.monotonic()
-    for trial in range(TRIALS):
+    for trial in range(trials):
         wait_until(lambda: sum(w.logged("worker.serving") and w.process.poll() is None
                                for w in workers.values()) >= 2, 60, "two serving workers")
         sent = submit_trial(r, trial)
         keys = [stream_key(i) for i, _ in sent]
         victim, interrupted = kill_mid_generation(r, workers, keys)
         killed_at = time.monotonic()
-        workers[victim] = spawn(victim)  # the restarted one drains its own pending entries
+        workers[victim] = start(victim)  # the restarted one drains its own pending entries
         recoveries.append(wait_done(r, keys, 60) - killed_at)
         totals["streams"] += len(keys)
         totals["interrupted"] += interrupted
@@ -285,12 +308,12 @@ def test_kill_9_mid_generation_every_stream_resumes_whole_and_identical(
             for name, value in check_stream(r, key, expected_text(reference, payload)).items():
                 totals[name] += value
     wait_until(lambda: r.xpending(STREAM, "workers")["pending"] == 0, 10, "all acked")
-    print(f"\nDURABILITY kill-9: trials={TRIALS} {totals} recovery_s max="
-          f"{max(recoveries):.2f} mean={sum(recoveries) / len(recoveries):.2f} "
+    print(f"\nDURABILITY kill-9 (overlap_steps={overlap_steps}): trials={trials} {totals} "
+          f"recovery_s max={max(recoveries):.2f} mean={sum(recoveries) / len(recoveries):.2f} "
           f"total_s={time.monotonic() - started:.1f}", flush=True)
     assert totals["complete"] == totals["identical"] == totals["streams"]
     assert totals["missing"] == totals["repeated"] == 0
-    assert totals["resumed"] >= TRIALS // 2  # most kills did land mid-generation
+    assert totals["resumed"] >= trials // 2  # most kills did land mid-generation
 
 
 @pytest.mark.slow

@@ -41,9 +41,10 @@ def tiny_worker(worker_factory: Callable[..., Any], tiny_path: Path,
                 request: pytest.FixtureRequest) -> Iterator[Any]:
     """The tiny model's worker, its steps one after another (as on a CPU) or overlapped (as
     on a GPU: step n's tokens read while step n + 1 runs, pipeline/generate.py)."""
-    options = {"path": str(tiny_path), "max_new_tokens": 16, "max_new_tokens_limit": 64}
+    options = {"path": str(tiny_path), "max_new_tokens": 16, "max_new_tokens_limit": 64,
+               "overlap_steps": request.param}
     with worker_factory(model="causal_lm", model_options=options) as worker:
-        worker.computes[0].overlap = request.param  # idle until the test's first request
+        assert worker.computes[0].overlap is request.param
         yield worker
 
 
