@@ -22,6 +22,7 @@ MESSAGE_FIELDS = {"role", "content", "name"}
 ROLES = {"system": "system", "developer": "system", "user": "user",
          "assistant": "assistant"}  # OpenAI's newer "developer" is a system message
 MAX_STOP = 4
+MAX_STOP_CHARS = 1000  # each, as the worker allows
 CHAT, TEXT = "chat", "text"
 # The worker's finish_reason -> OpenAI's (stop, length, content_filter, tool_calls): a
 # generation cancelled (its client went, or redbatch:cancel:<id> was set) ended early on
@@ -119,6 +120,9 @@ def parse_stop(value: Any) -> list[str]:
         raise invalid("'stop' must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP:
         raise invalid(f"'stop' holds {len(stops)} strings; at most {MAX_STOP}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid(f"a 'stop' string has {max(map(len, stops))} characters; at most "
+                      f"{MAX_STOP_CHARS}", "stop")
     return list(stops)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.execution.stop_strings import StopStrings
 from worker.models.generation_params import SamplingParams
 
 Decode = Callable[[Sequence[int]], str]
@@ -64,6 +65,11 @@ class TextState:
     sent_tokens: int = 0
     prefix: int = 0  # the decode window's start (tokens)
     read: int = 0  # tokens whose text is in `text`
+    stops: StopStrings = field(init=False)  # matched in `text` as it grows
+    stop_at: int | None = None  # where the first stop string in `text` starts
+
+    def __post_init__(self) -> None:
+        self.stops = StopStrings(self.params.stop)
 
     def append(self, seq_id: str, token: int, decode: Decode) -> Delta:
         self.generated.append(token)
@@ -74,12 +80,11 @@ class TextState:
         else:
             self._read(decode, len(self.generated),
                        flush=len(self.generated) >= self.params.max_new_tokens)
-            cut = self._stop_at()
-            if cut is not None:
-                self.text, reason = self.text[:cut], "stop"
+            if self.stop_at is not None:
+                self.text, reason = self.text[:self.stop_at], "stop"
         if reason is None and len(self.generated) >= self.params.max_new_tokens:
             reason = "length"
-        visible = len(self.text) if reason else len(self.text) - self._held_back()
+        visible = len(self.text) if reason else len(self.text) - self.stops.held_back()
         delta = Delta(seq_id, self.text[self.sent_chars:visible],
                       self.generated[self.sent_tokens:], reason)
         if delta.text or reason:
@@ -102,7 +107,7 @@ class TextState:
         known = decode(self.generated[self.prefix:self.read]) if self.read > self.prefix \
             else ""
         if len(window) > len(known) and (flush or not window.endswith(REPLACEMENT)):
-            self.text += window[len(known):]
+            self._add(window[len(known):])
             self.prefix = max(self.prefix, self.read - CONTEXT_TOKENS)
             self.read = end
 
@@ -110,36 +115,32 @@ class TextState:
         """Continue after `tokens` whose text `sent_text` was streamed already (a request
         taken over after a crash); returns the finish reason if they had ended it."""
         self.generated, self.sent_tokens = list(tokens), len(tokens)
-        self.text, self.sent_chars = decode(self.generated), len(sent_text)
-        self.read = len(tokens)
+        self.sent_chars, self.read = len(sent_text), len(tokens)
+        self._restart(decode(self.generated))
         if tokens and tokens[-1] in self.eos_ids:
             return "stop"
-        cut = self._stop_at()
-        if cut is not None:
-            self.text = self.text[:cut]
+        if self.stop_at is not None:
+            self.text = self.text[:self.stop_at]
             return "stop"
         if len(tokens) >= self.params.max_new_tokens:
             return "length"
-        while self.read and self.text.endswith(REPLACEMENT):  # left unread, as by append
-            self.read -= 1
-            self.text = decode(self.generated[:self.read])
+        if self.text.endswith(REPLACEMENT):
+            while self.read and self.text.endswith(REPLACEMENT):  # left unread, as by append
+                self.read -= 1
+                self.text = decode(self.generated[:self.read])
+            self._restart(self.text)
         self.prefix = max(0, self.read - CONTEXT_TOKENS)
         return None
 
-    def _stop_at(self) -> int | None:
-        """Where the first stop string starts in the text, if one is there."""
-        found = [i for i in (self.text.find(s, max(0, self.sent_chars - len(s)))
-                             for s in self.params.stop) if i >= 0]
-        return min(found) if found else None
+    def _add(self, text: str) -> None:
+        """Text at the end; the first stop string it completes, if none was found before."""
+        self.text += text
+        found = self.stops.feed(text)
+        if self.stop_at is None:
+            self.stop_at = found
 
-    def _held_back(self) -> int:
-        """The characters at the end that may still change: the longest tail that is a
-        prefix of a stop string (an incomplete character is not in the text yet)."""
-        text = self.text
-        held = 0
-        for stop in self.params.stop:
-            for size in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:size]):
-                    held = max(held, size)
-                    break
-        return held
+    def _restart(self, text: str) -> None:
+        """The whole text anew (a resume): its stop strings matched from its start."""
+        self.text, self.stop_at = "", None
+        self.stops.reset()
+        self._add(text)

@@ -3,8 +3,8 @@ InvalidInput (answered `invalid_request`), never a failure of the worker.
 
     {"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}
     max_new_tokens (int, 1..max_new_tokens_limit), temperature (>= 0; 0 = greedy),
-    top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings),
-    stream (bool, default true); a key set to null counts as left out
+    top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings of
+    <= 1,000 characters), stream (bool, default true); a key set to null counts as left out
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from worker.models.base import InvalidInput
 SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
         "{\"role\": <string>, \"content\": <string>})"
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1000  # each; its matcher is built on the generate loop's thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,9 @@ def _stops(payload: dict[str, Any]) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidInput(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}",
                            "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidInput(f"a 'stop' string has {max(map(len, stops))} characters; at most "
+                           f"{MAX_STOP_CHARS}", "stop")
     return tuple(stops)
 
 

@@ -147,6 +147,8 @@ BAD_INPUTS = [  # (payload, words of the message, the error's field or reason)
     ({"prompt": "hi", "top_k": -1}, "'top_k'", ("field", "top_k")),
     ({"prompt": "hi", "seed": "x"}, "'seed' must be an integer", ("field", "seed")),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "at most 4", ("field", "stop")),
+    ({"prompt": "hi", "stop": ["a", "b" * 1001]}, "1001 characters; at most 1000",
+     ("field", "stop")),
     ({"prompt": "the quick brown fox " * 40}, "the context window of this model is 128",
      ("reason", "context_window")),
     ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "not both",

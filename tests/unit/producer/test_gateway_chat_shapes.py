@@ -84,6 +84,7 @@ CHAT_ERRORS = [
     ({"model": "lm", "messages": MESSAGES, "seed": 1.5}, "seed", "invalid_request"),
     ({"model": "lm", "messages": MESSAGES, "stop": ["a"] * 5}, "stop", "invalid_request"),
     ({"model": "lm", "messages": MESSAGES, "stop": [""]}, "stop", "invalid_request"),
+    ({"model": "lm", "messages": MESSAGES, "stop": ["x" * 1001]}, "stop", "invalid_request"),
     ({"model": "lm", "messages": MESSAGES, "stream": "yes"}, "stream", "invalid_request"),
     ({"model": "lm", "messages": MESSAGES, "stream_options": {"include_usage": True}},
      "stream_options", "invalid_request"),
