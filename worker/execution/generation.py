@@ -114,6 +114,11 @@ class GenerationEngine:
         self.seqs[seq_id] = EngineSeq(seq_id, list(prompt_ids),
                                       TextState(params, self.eos_ids), seed)
 
+    def knows(self, tokens: Sequence[int]) -> bool:
+        """Whether every token is in the model's vocabulary (a resumed stream's tokens are
+        read from a key that producers can write too)."""
+        return all(0 <= token < self.lm.config.vocab_size for token in tokens)
+
     def resume(self, seq_id: str, tokens: Sequence[int], sent_text: str) -> str | None:
         """Continue a sequence after the tokens a previous worker streamed (its next prefill
         covers the prompt and them); returns the finish reason if they had ended it."""

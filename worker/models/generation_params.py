@@ -18,6 +18,8 @@ from worker.models.base import InvalidInput
 SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
         "{\"role\": <string>, \"content\": <string>})"
 MAX_STOP_STRINGS = 4
+# top_k past any vocabulary keeps every token, as 0 does; capped, it fits the sampler's int64
+TOP_K_CAP = 1 << 31
 MAX_STOP_CHARS = 1000  # each; its matcher is built on the generate loop's thread
 
 
@@ -128,5 +130,5 @@ def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
     if not isinstance(_given(payload, "stream", True), bool):
         raise InvalidInput(f"'stream' must be true or false, got {payload['stream']!r}",
                            "stream")
-    return SamplingParams(min(max_new, context - prompt_len), temperature, top_p, top_k,
-                          seed, _stops(payload))
+    return SamplingParams(min(max_new, context - prompt_len), temperature, top_p,
+                          min(top_k, TOP_K_CAP), seed, _stops(payload))

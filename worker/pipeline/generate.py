@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from producer.protocol import ErrorCode
+from producer.protocol import ErrorCode, error_envelope
 from worker.execution.detokenize import Delta
 from worker.execution.generation import GenerationEngine, Launched
 from worker.models.generation_params import GenerationInput
@@ -155,6 +155,13 @@ class GenerateLoop:
             return final_answer(pending.entry_id, pending.request, progress.done,
                                 self.config.namespace, True, progress.done_index - 1)
         prompt_len, max_new = len(data.prompt_ids), data.params.max_new_tokens
+        if progress is not None and not self.engine.knows(progress.token_ids):
+            log.warning("generate.unknown_tokens", entry_id=pending.entry_id)
+            refused = error_envelope(pending.request.id, ErrorCode.INVALID_REQUEST,
+                                     "its reply stream holds tokens this model does not have: "
+                                     "it was not written by a worker of this model")
+            return final_answer(pending.entry_id, pending.request, refused,
+                                self.config.namespace, True, progress.chunks)
         if not self.scheduler.fits(prompt_len, max_new):
             return self.live.error(pending, ErrorCode.TOO_LARGE,
                                f"{prompt_len} prompt tokens + max_new_tokens {max_new} exceed "

@@ -171,9 +171,13 @@ def progress_of(entries: Any) -> Progress:
             found.done, found.done_index = envelope, index
             break
         if envelope.get("type") == "delta":
+            token_ids, text = envelope.get("token_ids") or [], envelope.get("text") or ""
+            if not (isinstance(text, str) and isinstance(token_ids, list)
+                    and all(type(t) is int and 0 <= t < 1 << 31 for t in token_ids)):
+                continue  # not a delta a worker wrote (a producer can write this key)
             found.chunks = index
-            found.token_ids += envelope.get("token_ids") or []
-            found.text += envelope.get("text") or ""
+            found.token_ids += token_ids
+            found.text += text
     return found
 
 

@@ -185,6 +185,19 @@ def test_progress_reads_deltas_and_done() -> None:
     assert progress_of(redis.ResponseError("WRONGTYPE")).chunks == 0
 
 
+@pytest.mark.parametrize("forged", [{"text": 5}, {"token_ids": "abc"}, {"token_ids": [-1]},
+                                    {"token_ids": [1 << 40]}, {"token_ids": [True]},
+                                    {"token_ids": [[1]]}, {"token_ids": [1.5]}])
+def test_progress_skips_a_delta_no_worker_wrote(forged: dict[str, Any]) -> None:
+    """Producers can write a reply stream too: what a resume reads is checked, and a
+    malformed delta is skipped rather than crashing the loop or reaching the model."""
+    delta = {"id": "r", "type": "delta", "text": "ab", "token_ids": [1, 2]}
+    entries = [(b"1-1", {b"data": json.dumps(delta).encode()}),
+               (b"2-1", {b"data": json.dumps({**delta, **forged}).encode()})]
+    found = progress_of(entries)
+    assert (found.chunks, found.token_ids, found.text) == (1, [1, 2], "ab")
+
+
 def test_keep_alive_claims_only_our_own_entries_without_counting_a_delivery(
         r: redis.Redis) -> None:
     r.xgroup_create(STREAM, "workers", id="0", mkstream=True)

@@ -172,11 +172,37 @@ def test_bad_input_is_answered_invalid_request_and_the_worker_keeps_serving(
             assert "field" not in done["error"] and "reason" not in done["error"]
     plain = send(r, {"prompt": 7, "stream": False})
     assert list_reply(r, plain)["error"]["code"] == "invalid_request"
-    undecodable = uuid.uuid4().hex
-    r.xadd(STREAM, {"id": undecodable, "content_type": protocol.JSON, "payload": "{nope"})
-    assert read_stream(r, stream_key(undecodable))[0][1]["error"]["code"] == "invalid_request"
+    for payload in ("{nope", '{"prompt": "half a pair: \\ud800"}'):  # the tokenizer fails
+        undecodable = uuid.uuid4().hex
+        r.xadd(STREAM, {"id": undecodable, "content_type": protocol.JSON, "payload": payload})
+        [(_, done)] = read_stream(r, stream_key(undecodable))
+        assert done["error"]["code"] == "invalid_request", done
     good = send(r, {"prompt": "hello", "max_new_tokens": 3})
     assert read_stream(r, stream_key(good))[-1][1]["ok"]
+    # past any vocabulary, as 0: every token (not an overflow of the sampler's int64 inputs)
+    wide = send(r, {"prompt": "hello", "max_new_tokens": 3, "temperature": 1.0, "seed": 1,
+                    "top_k": 10 ** 20})
+    assert read_stream(r, stream_key(wide))[-1][1]["ok"]
+
+
+def test_a_resume_from_a_forged_reply_stream_is_answered_and_reaches_no_model(
+        worker_factory: Callable[..., Any], tiny_path: Path, r: redis.Redis) -> None:
+    """A producer can write a request's reply stream before a worker takes the request over:
+    tokens outside the vocabulary (an index error on a CPU, a device assert that ends the
+    process on CUDA) never reach the model; the request gets an error after those entries."""
+    r.xgroup_create(STREAM, "workers", id="0", mkstream=True)
+    forged = send(r, {"prompt": "hi", "max_new_tokens": 8})
+    r.xreadgroup("workers", "gone", {STREAM: ">"})  # read by a worker that then died
+    delta = {"id": forged, "type": "delta", "index": 1, "text": "x", "token_ids": [10 ** 6]}
+    r.xadd(stream_key(forged), {"data": json.dumps(delta)}, id="1-1")
+    options = {"path": str(tiny_path), "max_new_tokens": 8, "max_new_tokens_limit": 64}
+    with worker_factory(model="causal_lm", model_options=options, claim_idle_ms=200):
+        entries = read_stream(r, stream_key(forged))
+        assert [e[0] for e in entries] == ["1-1", "2-1"]
+        assert entries[1][1]["error"]["code"] == "invalid_request", entries
+        good = send(r, {"prompt": "hello", "max_new_tokens": 3})
+        assert read_stream(r, stream_key(good))[-1][1]["ok"]
+    assert r.xpending(STREAM, "workers")["pending"] == 0
 
 
 @pytest.mark.parametrize("fields, message", [

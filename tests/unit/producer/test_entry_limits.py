@@ -113,3 +113,22 @@ def test_ordinary_payloads_still_decode() -> None:
     assert protocol.decode(msgpack.packb(payload), MSGPACK) == payload
     assert protocol.decode(json.dumps({"a": [1, 2, {"b": None}]}).encode(), JSON) == \
         {"a": [1, 2, {"b": None}]}
+
+
+@pytest.mark.parametrize("hostile", [
+    b'{"text": "\\ud800"}',  # an escaped high surrogate alone
+    b'{"text": "ok \\udc00 ok"}',  # a low one
+    b'{"text": ["a", "\\uD83D"]}',  # upper-case hex, in a list
+    '{"text": "x"}'.encode()[:-2] + b'\xed\xa0\x80"}',  # a surrogate encoded as UTF-8
+])
+def test_json_strings_with_half_a_surrogate_pair_are_refused(hostile: bytes) -> None:
+    """No text holds one, and a tokenizer fails on it: the entry gets invalid_request."""
+    with pytest.raises(ValueError, match="unpaired UTF-16 surrogate"):
+        protocol.decode(hostile, JSON)
+
+
+def test_json_with_whole_surrogate_pairs_and_hangul_still_decodes() -> None:
+    """Python's json.dumps escapes an emoji as a pair; U+D55C's UTF-8 starts with 0xED."""
+    assert protocol.decode(json.dumps({"text": "😀 한"}).encode(), JSON) == {"text": "😀 한"}
+    assert protocol.decode(json.dumps({"text": "😀 한"}, ensure_ascii=False).encode(),
+                           JSON) == {"text": "😀 한"}
