@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from worker.execution.generation import GenerationEngine, Launched
+from worker.execution.generation import GenerationEngine
 from worker.execution.staging import EngineSeq, Forward
+from worker.execution.step_results import Launched
 from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState, StepPlan
 

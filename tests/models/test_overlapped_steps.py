@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tests.rigs.tiny_lm import build_tiny_lm
-from worker.execution.generation import GenerationEngine, Launched
+from worker.execution.generation import GenerationEngine
 from worker.execution.kv_pool import BLOCK_TOKENS
+from worker.execution.step_results import Launched
 from worker.models.generation_params import SamplingParams
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
 

@@ -203,3 +203,28 @@ class SlowStepLM(CausalLM):
             return output
 
         self.lm.forward = slow_forward
+
+
+class ShortOfMemoryLM(CausalLM):
+    """The causal LM on a device that runs out of memory in any forward of more than
+    `max_tokens` tokens or `max_rows` rows (what a step's activations would need), as CUDA
+    does: an OutOfMemoryError raised from inside the model's forward. `out_of_memory` counts
+    them."""
+
+    def __init__(self, max_tokens: int = 24, max_rows: int = 2, **options: Any) -> None:
+        super().__init__(**options)
+        self.max_tokens, self.max_rows = max_tokens, max_rows
+        self.out_of_memory = 0
+
+    def load(self, device: Any) -> None:
+        super().load(device)
+        forward = self.lm.forward
+
+        def short_forward(*args: Any, **kwargs: Any) -> Any:
+            ids = kwargs["input_ids"]
+            if ids.numel() > self.max_tokens or ids.shape[0] > self.max_rows:
+                self.out_of_memory += 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return forward(*args, **kwargs)
+
+        self.lm.forward = short_forward

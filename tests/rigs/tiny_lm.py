@@ -7,6 +7,9 @@ far from ties and batched and single-prompt decoding must agree token for token.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+from worker.models.generation_params import SamplingParams
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -43,3 +46,21 @@ def build_tiny_lm(path: Path, seed: int = 0, initializer_range: float = 0.8,
     model.eval()
     model.save_pretrained(path)
     return path
+
+
+def engine_text(lm: Any, tokenizer: Any, prompt: str, params: SamplingParams) -> str:
+    """What the worker's engine generates for one request, uninterrupted, in process."""
+    import torch
+
+    from worker.execution.generation import GenerationEngine
+    from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
+
+    engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), {tokenizer.eos_token_id})
+    scheduler = DecodingScheduler(SchedulerLimits())
+    ids = list(tokenizer(prompt).input_ids)
+    engine.add("x", ids, params)
+    scheduler.add(SeqState("x", len(ids), params.max_new_tokens))
+    while len(scheduler):
+        plan = scheduler.schedule()
+        scheduler.update(engine.step(plan).finished)
+    return str(engine.seqs["x"].text.text)

@@ -31,12 +31,12 @@ pipeline/generate.py, calls it).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from worker.execution.detokenize import Delta, TextState, decoder_of
+from worker.execution.executor import is_out_of_memory
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import Layout, stepping, use_paged_attention
 from worker.execution.sampling import choose_tokens
@@ -51,33 +51,13 @@ from worker.execution.staging import (
 )
 from worker.execution.step_buffers import StepBuffers
 from worker.execution.step_graphs import StepGraphs
+from worker.execution.step_results import Launched, StepOutput, Unrun
 from worker.models.generation_params import SamplingParams
 from worker.models.generative import CausalLM, context_of, kv_shape
 from worker.policy.decoding import StepPlan, Work
 from worker.policy.shape_classes import ShapeClasses, decode_classes, prefill_classes
 
 DEFAULT_KV_TOKENS = 16384  # an engine built without a budget (tests, tools)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    deltas: list[Delta] = field(default_factory=list)  # one per sequence that sampled
-
-    @property
-    def finished(self) -> list[str]:
-        return [d.id for d in self.deltas if d.finish_reason]
-
-
-@dataclass(slots=True)
-class Launched:
-    """A step on its way: the forwards whose tokens come back with `finish`, and those
-    tokens, copied to the host (once `copied` has happened, on CUDA)."""
-
-    forwards: list[Forward]
-    tokens: torch.Tensor | None
-    copied: Any  # a torch.cuda.Event, or None: on the host already
-    flight: TokensInFlight | None
-    early: list[Delta]  # prefilled rows' deltas, appended mid-step (`on_prefilled`)
 
 
 class GenerationEngine:
@@ -158,7 +138,14 @@ class GenerationEngine:
         chosen: list[tuple[Forward, torch.Tensor]] = []
         early: list[Delta] = []
         for number, forward in enumerate(forwards):
-            tokens = self._run(forward)
+            try:
+                tokens = self._run(forward)
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                launched = self._send_back(chosen, early)
+                launched.unrun = self._out_of_memory(forwards[number:])
+                return launched
             if tokens is not None and on_prefilled is not None and number < prefilling:
                 deltas = self._take(forward, tokens.tolist())
                 for delta in deltas:
@@ -167,6 +154,18 @@ class GenerationEngine:
             elif tokens is not None:
                 chosen.append((forward, tokens))
         return self._send_back(chosen, early)
+
+    def _out_of_memory(self, forwards: Sequence[Forward]) -> Unrun:
+        """Forwards that did not run, or not to the end: their sequences' caches (perhaps
+        half written) are dropped, to be recomputed."""
+        for forward in forwards:
+            for seq in forward.seqs:
+                self._forget(seq)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed forward's blocks, for smaller steps
+        first = forwards[0]
+        return Unrun([work for forward in forwards for work in forward.works],
+                     sum(work.tokens for work in first.works), len(first.works), first.batched)
 
     def _send_back(self, chosen: list[tuple[Forward, torch.Tensor]],
                    early: list[Delta]) -> Launched:

@@ -7,9 +7,8 @@ deadlines checked) into the scheduler (policy/decoding.py), runs a step on the e
 round trip (streams/token_streams.py), on the chunk writer's thread while the next step runs
 (pipeline/chunk_writer.py); a prefilled request's first chunk is queued as soon as its own
 forward is done. Finished requests become answers for the reply thread, which writes the
-`done` entry (or the list reply) with the XACK, ownership-checked; they are queued behind
-their chunks, so a `done` entry never overtakes them. What each live request's chunks and
-answer are is pipeline/live_requests.py's.
+`done` entry (or the list reply) with the XACK, ownership-checked, queued behind their chunks
+(which, with the answers, pipeline/live_requests.py makes).
 
 On a GPU (`overlap`) the steps overlap: step n + 1 is launched on the device before step n's
 tokens are read, and step n's host work (tokens, text, chunks, answers, the next schedule)
@@ -31,9 +30,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from producer.protocol import ErrorCode, error_envelope
+from producer.protocol import ErrorCode
 from worker.execution.detokenize import Delta
-from worker.execution.generation import GenerationEngine, Launched
+from worker.execution.generation import GenerationEngine
+from worker.execution.step_results import Launched, Unrun
 from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
 from worker.pipeline import ports
@@ -156,12 +156,9 @@ class GenerateLoop:
                                 self.config.namespace, True, progress.done_index - 1)
         prompt_len, max_new = len(data.prompt_ids), data.params.max_new_tokens
         if progress is not None and not self.engine.knows(progress.token_ids):
-            log.warning("generate.unknown_tokens", entry_id=pending.entry_id)
-            refused = error_envelope(pending.request.id, ErrorCode.INVALID_REQUEST,
-                                     "its reply stream holds tokens this model does not have: "
-                                     "it was not written by a worker of this model")
-            return final_answer(pending.entry_id, pending.request, refused,
-                                self.config.namespace, True, progress.chunks)
+            return self.live.error(pending, ErrorCode.INVALID_REQUEST, "its reply stream "
+                                   "holds tokens this model does not have: it was not written "
+                                   "by a worker of this model", after=progress.chunks)
         if not self.scheduler.fits(prompt_len, max_new):
             return self.live.error(pending, ErrorCode.TOO_LARGE,
                                f"{prompt_len} prompt tokens + max_new_tokens {max_new} exceed "
@@ -226,7 +223,24 @@ class GenerateLoop:
             log.exception("generate.step_failed", sequences=len(plan.work))
             self._fail_all(exc)
             return None
+        if launched.unrun is not None:
+            self._out_of_memory(launched.unrun)
         return Stepping(plan, launched, started)
+
+    def _out_of_memory(self, unrun: Unrun) -> None:
+        """Part of a step did not run for want of device memory: its sequences are
+        recomputed in smaller steps, or, where a step is as small as it gets, answered."""
+        metrics.OOM_EVENTS.labels(self.config.model_name, "step").inc()
+        caps = self.scheduler.caps
+        retried = caps.on_out_of_memory(unrun.tokens, unrun.rows, unrun.decoding)
+        log.warning("generate.out_of_memory", sequences=len(unrun.works), retried=retried,
+                    step_tokens=caps.tokens, max_seqs=caps.seqs)
+        if retried:
+            self.scheduler.recompute(unrun.works)
+            return
+        message = "out of device memory even in the smallest step (one sequence, 16 tokens)"
+        self.writer.write([], None, [self._stop(w.id, ErrorCode.TOO_LARGE, message)
+                                     for w in unrun.works])
 
     def _complete(self, stepping: Stepping) -> None:
         """The step's tokens in: its chunks and its answers written (one round trip, on the

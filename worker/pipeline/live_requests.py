@@ -122,8 +122,11 @@ class LiveRequests:
         metrics.GENERATIONS_FINISHED.labels(self.model_name, code.value).inc()
         return answer
 
-    def error(self, pending: Pending, code: ErrorCode, message: str) -> Answer:
-        """An error answer of a request (live or not): on its reply stream as its only
-        entry unless it asked for `"stream": false`."""
-        answer = error_answer(pending.entry_id, pending.request, code, message)
-        return routed_error(answer, pending.request, self.namespace, pending.item.data.stream)
+    def error(self, pending: Pending, code: ErrorCode, message: str, after: int = 0) -> Answer:
+        """An error answer of a request (live or not): on its reply stream after its first
+        `after` entries (its only entry by default) unless it asked for `"stream": false`."""
+        answer = routed_error(error_answer(pending.entry_id, pending.request, code, message),
+                              pending.request, self.namespace, pending.item.data.stream)
+        if answer.stream_index:
+            answer.stream_index += after
+        return answer

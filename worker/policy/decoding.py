@@ -25,8 +25,10 @@ No I/O, no clock, no threads: the generate loop (pipeline/generate.py) drives it
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from worker.policy.step_caps import StepCaps
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: `seq in running` each step, per row
@@ -113,7 +115,10 @@ class DecodingScheduler:
         self.running: list[SeqState] = []  # in order of admission
         self._arrivals = 0
         self._plan: StepPlan | None = None
+        self._gone: list[SeqState] = []  # those the last update() let go
         self._streak = 0  # prefill-only steps in a row, up to the last one
+        # what a step may hold now: the limits, or less after a step ran out of memory
+        self.caps = StepCaps(limits.max_step_tokens, limits.max_seqs)
 
     # --- queue --------------------------------------------------------------------------------
 
@@ -160,7 +165,9 @@ class DecodingScheduler:
         `prefill_streak` such steps in a row: an arrival during another's prefill then gets
         its own too, and decoding still runs at least once every `prefill_streak` + 1 steps."""
         plan = StepPlan()
-        budget = self.limits.max_step_tokens
+        while len(self.running) > self.caps.seqs:  # the cap was cut: the newest wait again
+            self._preempt(plan, self.running[-1])
+        budget = self.caps.tokens
         free = self.limits.kv_tokens - self.used_tokens
         prefill_only = False
         stalled = self._streak >= self.limits.prefill_streak
@@ -208,7 +215,7 @@ class DecodingScheduler:
         the cache with a token to spare per running sequence (so the admitted one is not
         preempted at the next step); the first that does not fit stops the admission."""
         self.waiting.sort(key=self._order)
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.caps.seqs:
             seq = self.waiting[0]
             if seq.id in plan.preempted:
                 break  # not re-admitted in the step that preempted it
@@ -237,4 +244,24 @@ class DecodingScheduler:
         ended = set(finished)
         gone = [s for s in self.running if s.id in ended or s.done]
         self.running = [s for s in self.running if s not in gone]
+        self._gone = gone
+        self.caps.on_step()
         return gone
+
+    def recompute(self, works: Sequence[Work]) -> None:
+        """The last plan's `works` did not run (the step ran out of memory): each of their
+        sequences drops its cache and waits again, in its old place, its token uncounted
+        (one that update() let go at its max_new_tokens comes back)."""
+        known = {s.id: s for s in [*self.running, *self._gone]}
+        for work in works:
+            seq = known.get(work.id)
+            if seq is None:
+                continue  # removed since (cancelled)
+            seq.generated -= work.emits
+            if seq in self.running:
+                self.running.remove(seq)
+            seq.computed, seq.waited = 0, 0
+            seq.preemptions += 1
+            if seq not in self.waiting:
+                self.waiting.append(seq)
+

@@ -21,7 +21,7 @@ import torch
 from producer import protocol
 from tests.redis.single.test_generation_e2e import generated_text, send, stream_key
 from tests.rigs.chaos import WorkerProcess, heaviest_on_redis_7_only, wait_until
-from tests.rigs.tiny_lm import build_tiny_lm
+from tests.rigs.tiny_lm import build_tiny_lm, engine_text
 from worker.execution.detokenize import TextState
 from worker.execution.generation import GenerationEngine
 from worker.models.generation_params import SamplingParams
@@ -111,19 +111,6 @@ def check_stream(r: redis.Redis, key: str, expected: str) -> dict[str, int]:
             "complete": int(done["type"] == "done" and done["ok"] and ids == wanted),
             "identical": int(text == done["result"]["text"] == expected),
             "resumed": int("resumed_at" in done["meta"])}
-
-
-def engine_text(lm: Any, tokenizer: Any, prompt: str, params: SamplingParams) -> str:
-    """What the worker's engine generates for one request, uninterrupted, in process."""
-    engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), {tokenizer.eos_token_id})
-    scheduler = DecodingScheduler(SchedulerLimits())
-    ids = list(tokenizer(prompt).input_ids)
-    engine.add("x", ids, params)
-    scheduler.add(SeqState("x", len(ids), params.max_new_tokens))
-    while len(scheduler):
-        plan = scheduler.schedule()
-        scheduler.update(engine.step(plan).finished)
-    return engine.seqs["x"].text.text
 
 
 SEEDED = {"temperature": 0.9, "top_k": 40}

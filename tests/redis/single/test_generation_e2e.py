@@ -17,7 +17,7 @@ import redis
 import torch
 
 from producer import protocol
-from tests.rigs.tiny_lm import build_tiny_lm
+from tests.rigs.tiny_lm import build_tiny_lm, engine_text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 STREAM = "redbatch:requests:causal_lm"
@@ -204,6 +204,51 @@ def test_a_resume_from_a_forged_reply_stream_is_answered_and_reaches_no_model(
         assert read_stream(r, stream_key(good))[-1][1]["ok"]
     assert r.xpending(STREAM, "workers")["pending"] == 0
 
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps-in-turn", "overlapped-steps"])
+def test_steps_that_run_out_of_memory_are_recomputed_smaller_and_nothing_is_lost(
+        worker_factory: Callable[..., Any], tiny_path: Path, r: redis.Redis,
+        reference_lm: tuple[Any, Any], overlap: bool) -> None:
+    """A device that runs out of memory in any forward of more than 24 tokens or 2 rows: a
+    long prompt's prefill fails (the step's token cap is cut to half of it), four sequences
+    decoding together fail (the sequence cap is cut to 2, the newest wait again); their
+    sequences are recomputed, and every answer is the uninterrupted one (greedy, seeded)."""
+    from worker.models.generation_params import SamplingParams
+
+    prompts = ["the quick brown fox jumps over the lazy dog " * k for k in (1, 2, 3)]
+    options = {"path": str(tiny_path), "max_new_tokens": 12, "max_new_tokens_limit": 64,
+               "max_tokens": 24, "max_rows": 2, "overlap_steps": overlap}
+    with worker_factory(model="tests.rigs.plugin_models:ShortOfMemoryLM",
+                        model_name="causal_lm", model_options=options) as worker:
+        greedy = [send(r, {"prompt": p, "max_new_tokens": 12}) for p in prompts]
+        seeded = send(r, {"prompt": prompts[2], "max_new_tokens": 12, "temperature": 0.9,
+                          "seed": 7})
+        texts = [read_stream(r, stream_key(i))[-1][1] for i in [*greedy, seeded]]
+        caps = worker.computes[0].scheduler.caps
+        assert caps.tokens == 16 and caps.seqs <= 2  # the rows that failed, halved
+        assert worker.model.out_of_memory >= 2  # a prefill and a decoding step at least
+    assert all(t["ok"] for t in texts), texts
+    for text, prompt in zip(texts, prompts, strict=False):
+        assert text["result"]["text"] == generated_text(*reference_lm, prompt, 12)
+    assert texts[3]["result"]["text"] == engine_text(
+        *reference_lm, prompts[2], SamplingParams(12, temperature=0.9, seed=7))
+
+
+def test_a_sequence_that_runs_out_of_memory_alone_is_answered_too_large(
+        worker_factory: Callable[..., Any], tiny_path: Path, r: redis.Redis) -> None:
+    """A device that cannot run 9 tokens: a prompt of 40 runs out at every step size down to
+    16-token chunks of one sequence, and is answered; a 3-token prompt is served."""
+    options = {"path": str(tiny_path), "max_new_tokens": 4, "max_new_tokens_limit": 64,
+               "max_tokens": 8}
+    with worker_factory(model="tests.rigs.plugin_models:ShortOfMemoryLM",
+                        model_name="causal_lm", model_options=options):
+        long = send(r, {"prompt": "the quick brown fox jumps over the lazy dog"})
+        [(_, done)] = read_stream(r, stream_key(long))
+        assert done["error"]["code"] == "too_large", done
+        assert "smallest step" in done["error"]["message"]
+        short = send(r, {"prompt": "hello"})
+        assert read_stream(r, stream_key(short))[-1][1]["ok"]
 
 @pytest.mark.parametrize("fields, message", [
     ({"deadline_ms": "soon"}, "'deadline_ms' must be an integer"),
