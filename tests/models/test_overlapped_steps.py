@@ -71,6 +71,10 @@ def overlapped(engine: GenerationEngine, scheduler: DecodingScheduler) -> dict[s
             plan = scheduler.schedule()
             scheduler.update()
             launched = engine.launch(plan)
+            unrun = launched.unrun  # as the generate loop does when a step runs out
+            if unrun is not None:
+                assert scheduler.caps.on_out_of_memory(unrun.tokens, unrun.rows, unrun.decoding)
+                scheduler.recompute(unrun.works)
         if previous is not None:
             for delta in engine.finish(previous).deltas:
                 if delta.finish_reason:
@@ -103,6 +107,41 @@ def test_overlapped_steps_give_every_sequence_the_tokens_of_steps_one_at_a_time(
     assert engine.buffers.copies_back == sum(sent_back)  # one copy back per step at most
     assert not engine.seqs and engine.flight is None
     assert engine.pool.free_tokens == (engine.pool.blocks - 1) * BLOCK_TOKENS  # all given back
+
+
+@pytest.mark.parametrize("gpu_shapes", [False, True], ids=["row-by-row", "gpu-shaped"])
+def test_forwards_that_run_out_of_memory_are_recomputed_to_the_same_tokens(
+        tiny: tuple[Any, Any], gpu_shapes: bool) -> None:
+    """Every third forward that could be smaller (more than one row, or a prefill of more
+    than 16 tokens) raises CUDA's OutOfMemoryError, prefills and decodes, some with a step in
+    flight: what did not run is recomputed, and every sequence, greedy and seeded, still gets
+    the tokens of steps run one at a time."""
+    expected = one_at_a_time(*started(tiny, gpu_shapes))
+    engine, scheduler = started(tiny, gpu_shapes)
+    run, calls, unrun = engine._run, [0], []
+
+    def short_of_memory(forward: Any) -> torch.Tensor | None:
+        tokens = sum(work.tokens for work in forward.works)
+        if len(forward.works) > 1 or (not forward.batched and tokens > 16):
+            calls[0] += 1
+            if calls[0] % 3 == 0:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return run(forward)
+
+    launch = engine.launch
+
+    def counting(plan: Any, on_prefilled: Any = None) -> Launched:
+        launched = launch(plan, on_prefilled)
+        unrun.append(launched.unrun)
+        return launched
+
+    engine._run = short_of_memory  # type: ignore[method-assign]
+    engine.launch = counting  # type: ignore[method-assign]
+    assert overlapped(engine, scheduler) == expected and len(expected) == 9
+    failed = [u for u in unrun if u is not None]
+    assert len(failed) >= 3 and any(u.decoding for u in failed)
+    assert any(not u.decoding for u in failed)
+    assert not engine.seqs and engine.pool.free_tokens == (engine.pool.blocks - 1) * BLOCK_TOKENS
 
 
 def test_a_sequence_ended_in_flight_is_not_given_the_late_step_s_token(
