@@ -65,11 +65,11 @@ class TextState:
     sent_tokens: int = 0
     prefix: int = 0  # the decode window's start (tokens)
     read: int = 0  # tokens whose text is in `text`
-    stops: StopStrings = field(init=False)  # matched in `text` as it grows
+    stops: StopStrings | None = field(init=False)  # matched in `text` as it grows; or none
     stop_at: int | None = None  # where the first stop string in `text` starts
 
     def __post_init__(self) -> None:
-        self.stops = StopStrings(self.params.stop)
+        self.stops = StopStrings(self.params.stop) if self.params.stop else None
 
     def append(self, seq_id: str, token: int, decode: Decode) -> Delta:
         self.generated.append(token)
@@ -84,7 +84,8 @@ class TextState:
                 self.text, reason = self.text[:self.stop_at], "stop"
         if reason is None and len(self.generated) >= self.params.max_new_tokens:
             reason = "length"
-        visible = len(self.text) if reason else len(self.text) - self.stops.held_back()
+        held = 0 if reason or self.stops is None else self.stops.held_back()
+        visible = len(self.text) - held
         delta = Delta(seq_id, self.text[self.sent_chars:visible],
                       self.generated[self.sent_tokens:], reason)
         if delta.text or reason:
@@ -135,12 +136,12 @@ class TextState:
     def _add(self, text: str) -> None:
         """Text at the end; the first stop string it completes, if none was found before."""
         self.text += text
-        found = self.stops.feed(text)
-        if self.stop_at is None:
-            self.stop_at = found
+        if self.stops is not None and self.stop_at is None:
+            self.stop_at = self.stops.feed(text)
 
     def _restart(self, text: str) -> None:
         """The whole text anew (a resume): its stop strings matched from its start."""
         self.text, self.stop_at = "", None
-        self.stops.reset()
+        if self.stops is not None:
+            self.stops.reset()
         self._add(text)
