@@ -73,7 +73,8 @@ def overlapped(engine: GenerationEngine, scheduler: DecodingScheduler) -> dict[s
             launched = engine.launch(plan)
             unrun = launched.unrun  # as the generate loop does when a step runs out
             if unrun is not None:
-                assert scheduler.caps.on_out_of_memory(unrun.tokens, unrun.rows, unrun.decoding)
+                assert scheduler.caps.on_out_of_memory(unrun.tokens, len(unrun.ran_out),
+                                                       unrun.decoding)
                 scheduler.recompute(unrun.works)
         if previous is not None:
             for delta in engine.finish(previous).deltas:

@@ -163,9 +163,8 @@ class GenerationEngine:
                 self._forget(seq)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the failed forward's blocks, for smaller steps
-        first = forwards[0]
-        return Unrun([work for forward in forwards for work in forward.works],
-                     sum(work.tokens for work in first.works), len(first.works), first.batched)
+        return Unrun(forwards[0].works, [w for forward in forwards[1:] for w in forward.works],
+                     forwards[0].batched)
 
     def _send_back(self, chosen: list[tuple[Forward, torch.Tensor]],
                    early: list[Delta]) -> Launched:

@@ -24,13 +24,21 @@ class StepOutput:
 
 @dataclass(frozen=True, slots=True)
 class Unrun:
-    """The work a step could not run for want of device memory (the forward that ran out
-    and those after it), and that forward's size."""
+    """The work a step could not run for want of device memory: that of the forward that
+    ran out, and of the forwards after it."""
 
-    works: list[Work]
-    tokens: int
-    rows: int
-    decoding: bool  # it was the decoding rows' forward (else prefill chunks)
+    ran_out: list[Work]
+    after: list[Work]
+    decoding: bool  # the forward that ran out was the decoding rows' (else prefill chunks)
+
+    @property
+    def works(self) -> list[Work]:
+        return self.ran_out + self.after
+
+    @property
+    def tokens(self) -> int:
+        """The new tokens of the forward that ran out."""
+        return sum(work.tokens for work in self.ran_out)
 
 
 @dataclass(slots=True)

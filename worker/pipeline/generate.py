@@ -229,18 +229,17 @@ class GenerateLoop:
 
     def _out_of_memory(self, unrun: Unrun) -> None:
         """Part of a step did not run for want of device memory: its sequences are
-        recomputed in smaller steps, or, where a step is as small as it gets, answered."""
+        recomputed in smaller steps; those of a forward as small as it gets are answered."""
         metrics.OOM_EVENTS.labels(self.config.model_name, "step").inc()
         caps = self.scheduler.caps
-        retried = caps.on_out_of_memory(unrun.tokens, unrun.rows, unrun.decoding)
-        log.warning("generate.out_of_memory", sequences=len(unrun.works), retried=retried,
+        cut = caps.on_out_of_memory(unrun.tokens, len(unrun.ran_out), unrun.decoding)
+        log.warning("generate.out_of_memory", sequences=len(unrun.works), cut=cut,
                     step_tokens=caps.tokens, max_seqs=caps.seqs)
-        if retried:
-            self.scheduler.recompute(unrun.works)
-            return
-        message = "out of device memory even in the smallest step (one sequence, 16 tokens)"
-        self.writer.write([], None, [self._stop(w.id, ErrorCode.TOO_LARGE, message)
-                                     for w in unrun.works])
+        self.scheduler.recompute(unrun.works if cut else unrun.after)
+        if not cut:
+            message = "out of device memory even in the smallest step (one sequence, 16 tokens)"
+            self.writer.write([], None, [self._stop(w.id, ErrorCode.TOO_LARGE, message)
+                                         for w in unrun.ran_out])
 
     def _complete(self, stepping: Stepping) -> None:
         """The step's tokens in: its chunks and its answers written (one round trip, on the

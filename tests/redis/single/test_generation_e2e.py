@@ -236,19 +236,25 @@ def test_steps_that_run_out_of_memory_are_recomputed_smaller_and_nothing_is_lost
 
 
 def test_a_sequence_that_runs_out_of_memory_alone_is_answered_too_large(
-        worker_factory: Callable[..., Any], tiny_path: Path, r: redis.Redis) -> None:
+        worker_factory: Callable[..., Any], tiny_path: Path, r: redis.Redis,
+        reference_lm: tuple[Any, Any]) -> None:
     """A device that cannot run 9 tokens: a prompt of 40 runs out at every step size down to
-    16-token chunks of one sequence, and is answered; a 3-token prompt is served."""
+    16-token chunks of one sequence, and is answered; a short one decoding meanwhile, whose
+    rows came after that chunk in a step that ran out, is recomputed and served whole."""
     options = {"path": str(tiny_path), "max_new_tokens": 4, "max_new_tokens_limit": 64,
                "max_tokens": 8}
     with worker_factory(model="tests.rigs.plugin_models:ShortOfMemoryLM",
-                        model_name="causal_lm", model_options=options):
+                        model_name="causal_lm", model_options=options) as worker:
+        short = send(r, {"prompt": "hello", "max_new_tokens": 60})
+        while not r.exists(stream_key(short)):  # decoding: the long one's steps carry it
+            time.sleep(0.001)
         long = send(r, {"prompt": "the quick brown fox jumps over the lazy dog"})
         [(_, done)] = read_stream(r, stream_key(long))
         assert done["error"]["code"] == "too_large", done
         assert "smallest step" in done["error"]["message"]
-        short = send(r, {"prompt": "hello"})
-        assert read_stream(r, stream_key(short))[-1][1]["ok"]
+        answer = read_stream(r, stream_key(short))[-1][1]
+        assert answer["result"]["text"] == generated_text(*reference_lm, "hello", 60)
+        assert worker.model.out_of_memory >= 2
 
 @pytest.mark.parametrize("fields, message", [
     ({"deadline_ms": "soon"}, "'deadline_ms' must be an integer"),
