@@ -246,8 +246,9 @@ def test_a_sequence_that_runs_out_of_memory_alone_is_answered_too_large(
     with worker_factory(model="tests.rigs.plugin_models:ShortOfMemoryLM",
                         model_name="causal_lm", model_options=options) as worker:
         short = send(r, {"prompt": "hello", "max_new_tokens": 60})
-        while not r.exists(stream_key(short)):  # decoding: the long one's steps carry it
-            time.sleep(0.001)
+        deadline = time.monotonic() + 30
+        while not r.exists(stream_key(short)) and time.monotonic() < deadline:
+            time.sleep(0.001)  # decoding now: the long one's steps carry its rows
         long = send(r, {"prompt": "the quick brown fox jumps over the lazy dog"})
         [(_, done)] = read_stream(r, stream_key(long))
         assert done["error"]["code"] == "too_large", done
