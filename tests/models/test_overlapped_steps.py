@@ -118,7 +118,11 @@ def test_forwards_that_run_out_of_memory_are_recomputed_to_the_same_tokens(
     flight: what did not run is recomputed, and every sequence, greedy and seeded, still gets
     the tokens of steps run one at a time."""
     expected = one_at_a_time(*started(tiny, gpu_shapes))
-    engine, scheduler = started(tiny, gpu_shapes)
+    recomputed_after_running_out(*started(tiny, gpu_shapes), expected)
+
+
+def recomputed_after_running_out(engine: GenerationEngine, scheduler: DecodingScheduler,
+                                 expected: dict[str, str]) -> None:
     run, calls, unrun = engine._run, [0], []
 
     def short_of_memory(forward: Any) -> torch.Tensor | None:
@@ -177,5 +181,20 @@ def test_on_cuda_overlapped_steps_and_their_graphs_give_the_tokens_of_steps_in_t
         assert graphs is not None
         assert overlapped(engine, scheduler) == expected  # the copies back are asynchronous
         assert graphs.replays["decode"] > 0 and graphs.replays["prefill"] > 0
+    finally:
+        lm.to("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_steps_out_of_memory_are_recomputed_under_graphs_to_the_same_tokens(
+        tiny: tuple[Any, Any]) -> None:
+    """As on the CPU, overlapped, with graphs captured and the CUDA cache emptied."""
+    lm, tokenizer = tiny
+    cuda = (lm.to("cuda"), tokenizer)
+    try:
+        expected = one_at_a_time(*started(cuda, True, device=torch.device("cuda")))
+        engine, scheduler = started(cuda, True, device=torch.device("cuda"))
+        assert engine.capture_graphs() is not None
+        recomputed_after_running_out(engine, scheduler, expected)
     finally:
         lm.to("cpu")
