@@ -169,32 +169,34 @@ def test_a_sequence_ended_in_flight_is_not_given_the_late_step_s_token(
     assert engine.pool.free_tokens == (engine.pool.blocks - 1) * BLOCK_TOKENS
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_overlapped_steps_and_their_graphs_give_the_tokens_of_steps_in_turn(
-        tiny: tuple[Any, Any]) -> None:
-    lm, tokenizer = tiny
-    cuda = (lm.to("cuda"), tokenizer)
-    try:
-        expected = one_at_a_time(*started(cuda, True, device=torch.device("cuda")))
-        engine, scheduler = started(cuda, True, device=torch.device("cuda"))
-        graphs = engine.capture_graphs()
-        assert graphs is not None
-        assert overlapped(engine, scheduler) == expected  # the copies back are asynchronous
-        assert graphs.replays["decode"] > 0 and graphs.replays["prefill"] > 0
-    finally:
-        lm.to("cpu")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_steps_out_of_memory_are_recomputed_under_graphs_to_the_same_tokens(
-        tiny: tuple[Any, Any]) -> None:
-    """As on the CPU, overlapped, with graphs captured and the CUDA cache emptied."""
+@pytest.fixture
+def on_cuda(tiny: tuple[Any, Any]) -> Iterator[tuple[dict[str, str], GenerationEngine,
+                                                    DecodingScheduler]]:
+    """The tiny model on CUDA: the tokens of steps in turn, and a GPU-shaped engine with its
+    graphs captured and its scheduler, on the same requests (the model back on the CPU
+    after)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     lm, tokenizer = tiny
     cuda = (lm.to("cuda"), tokenizer)
     try:
         expected = one_at_a_time(*started(cuda, True, device=torch.device("cuda")))
         engine, scheduler = started(cuda, True, device=torch.device("cuda"))
         assert engine.capture_graphs() is not None
-        recomputed_after_running_out(engine, scheduler, expected)
+        yield expected, engine, scheduler
     finally:
         lm.to("cpu")
+
+
+def test_on_cuda_overlapped_steps_and_their_graphs_give_the_tokens_of_steps_in_turn(
+        on_cuda: tuple[dict[str, str], GenerationEngine, DecodingScheduler]) -> None:
+    expected, engine, scheduler = on_cuda
+    assert overlapped(engine, scheduler) == expected  # the copies back are asynchronous
+    assert engine.graphs is not None
+    assert engine.graphs.replays["decode"] > 0 and engine.graphs.replays["prefill"] > 0
+
+
+def test_on_cuda_steps_out_of_memory_are_recomputed_under_graphs_to_the_same_tokens(
+        on_cuda: tuple[dict[str, str], GenerationEngine, DecodingScheduler]) -> None:
+    """As on the CPU, overlapped, with graphs captured and the CUDA cache emptied."""
+    recomputed_after_running_out(*on_cuda[1:], on_cuda[0])
