@@ -1,5 +1,5 @@
 """What a worker accepts of a request entry, before any work on it: its size, the size of
-its decoded payload, and where it may be answered (docs/protocol.md, "Limits").
+its decoded payload and whether its JSON holds whole characters, and where it may be answered (docs/protocol.md, "Limits").
 
 A producer that can only XADD must not be able to make a worker write, expire or create
 any key but the reply keys: a list reply goes under `<ns>:reply:`, a streamed one under
@@ -9,6 +9,8 @@ any key but the reply keys: a list reply goes under `<ns>:reply:`, a streamed on
 from __future__ import annotations
 
 import functools
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,3 +97,21 @@ class ContainerCount:
         if self.left < 0:
             raise ValueError(f"more than {MAX_CONTAINERS} arrays and maps")
         return container
+
+
+# In JSON's bytes, a UTF-16 surrogate escaped (\ud800-\udfff) or encoded as UTF-8 (ED A0-BF)
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def whole_characters(obj: Any, data: bytes) -> Any:
+    """Decoded JSON, unless a string in it holds half of a UTF-16 surrogate pair: JSON can
+    say "\\ud800" (and Python reads a UTF-8-encoded surrogate), but no text can hold one,
+    and a tokenizer fails on it. Only a payload with a surrogate in it (a whole pair, as
+    Python's json.dumps escapes an emoji, is one too) is checked: encoded again, in C."""
+    if SURROGATE.search(data) is not None:
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ValueError("payload is not valid JSON text: a string holds an unpaired "
+                             "UTF-16 surrogate (\\ud800-\\udfff)") from None
+    return obj

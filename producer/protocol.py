@@ -16,7 +16,13 @@ from typing import Any
 import msgpack
 
 # The Redis Cluster keys (shards of one logical queue) live in producer/shards.py.
-from producer.entry_rules import MAX_CONTAINER_ITEMS, ContainerCount, EntryRules, rules_for
+from producer.entry_rules import (
+    MAX_CONTAINER_ITEMS,
+    ContainerCount,
+    EntryRules,
+    rules_for,
+    whole_characters,
+)
 from producer.shards import shard_answered_key, shard_dead_letter_key
 
 DEFAULT_NAMESPACE = "redbatch"
@@ -143,7 +149,7 @@ def decode(data: bytes, content_type: str) -> Any:
             raise ValueError("payload is not valid JSON: nested too deeply") from None
         except ValueError as exc:
             raise ValueError(f"payload is too complex: {exc}") from None
-        return _whole_characters(obj, data)
+        return whole_characters(obj, data)
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, object_hook=count,
                                list_hook=count, max_str_len=len(data),
@@ -152,20 +158,6 @@ def decode(data: bytes, content_type: str) -> Any:
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         reason = str(exc) or type(exc).__name__  # StackError has no message
         raise ValueError(f"payload is not valid msgpack: {reason}") from None
-
-
-def _whole_characters(obj: Any, data: bytes) -> Any:
-    """The decoded JSON, unless a string in it holds half of a UTF-16 surrogate pair: JSON
-    can say "\\ud800" (and Python reads a UTF-8-encoded surrogate), but no text can hold
-    one, and a tokenizer fails on it. Only a payload with such an escape, or with a byte
-    that begins one's UTF-8 form, is checked (encoded again: at C speed)."""
-    if b"\\ud" in data or b"\\uD" in data or b"\xed" in data:
-        try:
-            json.dumps(obj, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise ValueError("payload is not valid JSON text: a string holds an unpaired "
-                             "UTF-16 surrogate (\\ud800-\\udfff)") from None
-    return obj
 
 
 def decode_envelope(data: bytes) -> dict[str, Any]:
