@@ -1,5 +1,6 @@
 """What a worker accepts of a request entry, before any work on it: its size, the size of
-its decoded payload and whether its JSON holds whole characters, and where it may be answered (docs/protocol.md, "Limits").
+its decoded payload and whether its JSON holds whole characters, and where it may be
+answered (docs/protocol.md, "Limits").
 
 A producer that can only XADD must not be able to make a worker write, expire or create
 any key but the reply keys: a list reply goes under `<ns>:reply:`, a streamed one under
