@@ -14,6 +14,7 @@ is refused at start unless `allow_unauthenticated` is set, and then logged as a 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import ipaddress
 import os
@@ -28,7 +29,6 @@ from producer.gateway.events import configure_logging
 from producer.gateway.settings import GatewaySettings, GatewaySettingsError, load_gateway_settings
 
 HTTPTOOLS = importlib.util.find_spec("httptools") is not None
-HTTP_PROTOCOL = "producer.gateway.transport:GuardedHttpToolsProtocol"  # imported by uvicorn
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 log = structlog.get_logger("redbatch.gateway")
 
@@ -58,10 +58,20 @@ def as_environment(settings: GatewaySettings) -> dict[str, str]:
 
 
 def server_options(settings: GatewaySettings) -> dict[str, Any]:
-    """uvicorn's options for these settings, for uvicorn.run and uvicorn.Config alike."""
+    """uvicorn's options for these settings, for uvicorn.run and uvicorn.Config alike. The
+    protocol goes as a class: older uvicorn (0.29) takes only its own protocols by name."""
     return {"host": settings.host, "port": settings.port, "log_level": settings.log_level,
-            "access_log": False, "http": HTTP_PROTOCOL if HTTPTOOLS else "h11",
+            "access_log": False, "http": http_protocol(),
             "h11_max_incomplete_event_size": settings.max_header_bytes}
+
+
+def http_protocol() -> type[asyncio.Protocol] | str:
+    """The guarded httptools protocol (transport.py), or uvicorn's h11 without httptools."""
+    if not HTTPTOOLS:
+        return "h11"
+    from producer.gateway.transport import GuardedHttpToolsProtocol
+
+    return GuardedHttpToolsProtocol
 
 
 def is_loopback(host: str) -> bool:

@@ -55,12 +55,18 @@ class ChunkWriter:
                                                 dict(cancel_keys or {}), list(answers)))
 
     def wait(self) -> set[str]:
-        """Wait until every queued write is out (raising what one raised); returns the entry
-        ids their cancel checks found cancelled."""
+        """Wait until every queued write is out (then raising the first failure); returns the
+        entry ids their cancel checks found cancelled."""
         queued, self._queued = self._queued, []
         cancelled: set[str] = set()
-        for write in queued:
-            cancelled.update(write.result())
+        failed: BaseException | None = None
+        for write in queued:  # all of them out before raising: none still writing after
+            if (error := write.exception()) is not None:
+                failed = failed or error
+            else:
+                cancelled.update(write.result())
+        if failed is not None:
+            raise failed
         return cancelled
 
     def close(self) -> None:
