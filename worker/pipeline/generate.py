@@ -16,10 +16,10 @@ runs while the device computes; a sequence that ended in step n rides along in s
 whose token for it is dropped (docs/protocol.md: a cancel takes effect within two steps).
 
 Durability: a redelivered request (claimed from a dead consumer, or our own after a restart)
-continues from what its reply stream holds: the prompt and the tokens already streamed are
-prefilled and it goes on at the next chunk index; a stream with its `done` entry is only
-acked. Every `keepalive_s` the loop claims its live entries to itself, so none looks idle
-to another worker's reclaimer while it runs; one that is no longer ours is abandoned.
+continues from what its reply stream holds (up to its max_new_tokens): the prompt and the
+tokens already streamed are prefilled and it goes on at the next chunk index; a stream with its
+`done` entry is only acked. Every `keepalive_s` the loop claims its live entries to itself,
+so none looks idle to another worker's reclaimer while it runs; one no longer ours is dropped.
 """
 
 from __future__ import annotations
@@ -81,9 +81,8 @@ class GenerateLoop:
         self.writer = ChunkWriter(streams, retry, answers)
         self.live = LiveRequests(config.model_name, config.consumer, config.namespace)
         self.steps = 0
-        # on a GPU a step's host work (its tokens, text, chunks, answers) runs while the
-        # device computes the next step; a CPU computes in this thread, so it gains nothing
-        # there and a prefilled request's first token would wait a step longer
+        # on a GPU a step's host work runs while the device computes the next step; a CPU
+        # computes in this thread, so there a prefilled request's first token would only wait
         self.overlap = engine.device.type == "cuda" if config.overlap_steps is None \
             else config.overlap_steps
         self.in_flight: Stepping | None = None
@@ -142,8 +141,8 @@ class GenerateLoop:
         """Admit each; redelivered streamed ones first read their reply streams (one round
         trip for all) to resume where they were."""
         again = [p for p in members if p.item.data.redelivered and p.item.data.stream]
-        found = self.retry(self.streams.progress, [self.live.key(p) for p in again]) \
-            if again else []
+        found = self.retry(self.streams.progress, [self.live.key(p) for p in again],
+                           [p.item.data.params.max_new_tokens for p in again]) if again else []
         progress = {p.entry_id: f for p, f in zip(again, found, strict=True)}
         answers = [self._admit(p, progress.get(p.entry_id)) for p in members]
         return [a for a in answers if a is not None]
@@ -155,10 +154,12 @@ class GenerateLoop:
             return final_answer(pending.entry_id, pending.request, progress.done,
                                 self.config.namespace, True, progress.done_index - 1)
         prompt_len, max_new = len(data.prompt_ids), data.params.max_new_tokens
-        if progress is not None and not self.engine.knows(progress.token_ids):
+        if progress is not None and (progress.overfull
+                                     or not self.engine.knows(progress.token_ids)):
+            held = f"over {max_new} tokens" if progress.overfull else "tokens the model lacks"
             return self.live.error(pending, ErrorCode.INVALID_REQUEST, "its reply stream "
-                                   "holds tokens this model does not have: it was not written "
-                                   "by a worker of this model", after=progress.chunks)
+                                   f"holds {held}: no worker of this model wrote it",
+                                   after=progress.chunks)
         if not self.scheduler.fits(prompt_len, max_new):
             return self.live.error(pending, ErrorCode.TOO_LARGE,
                                f"{prompt_len} prompt tokens + max_new_tokens {max_new} exceed "

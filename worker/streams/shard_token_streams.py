@@ -51,8 +51,8 @@ class ShardedTokenStreams:
         self.client: Any = shards[0].client
         self._done_elsewhere = self.client.register_script(DONE_ELSEWHERE)
 
-    def progress(self, keys: Sequence[str]) -> list[Progress]:
-        return self.shards[0].progress(keys)  # XRANGEs through the cluster pipeline
+    def progress(self, keys: Sequence[str], max_tokens: Sequence[int]) -> list[Progress]:
+        return self.shards[0].progress(keys, max_tokens)  # XRANGEs through the cluster pipeline
 
     def write(self, chunks: Sequence[Chunk], cancel_keys: Sequence[str] = ()) -> list[bool]:
         return self.shards[0].write(chunks, cancel_keys)

@@ -152,10 +152,13 @@ class Progress:
     text: str = ""
     done: dict[str, Any] | None = None
     done_index: int = 0
+    overfull: bool = False  # more tokens than the request may generate: no worker wrote it
 
 
-def progress_of(entries: Any) -> Progress:
-    """XRANGE's reply, parsed; entries that are no envelope of ours are skipped."""
+def progress_of(entries: Any, max_tokens: int | None = None) -> Progress:
+    """XRANGE's reply, parsed; entries that are no envelope of ours are skipped. Past
+    `max_tokens` tokens it stops, `overfull`: a producer can write this key, and resuming
+    a stream of millions of tokens would hold up every other request of the worker."""
     found = Progress()
     for entry_id, fields in entries if isinstance(entries, list) else []:
         try:
@@ -178,6 +181,9 @@ def progress_of(entries: Any) -> Progress:
             found.chunks = index
             found.token_ids += token_ids
             found.text += text
+            if max_tokens is not None and len(found.token_ids) > max_tokens:
+                found.overfull = True
+                break
     return found
 
 
@@ -215,12 +221,15 @@ class TokenStreams:
         self._keep_alive = client.register_script(KEEP_ALIVE)
         self._write_chunks = client.register_script(WRITE_CHUNKS)
 
-    def progress(self, keys: Sequence[str]) -> list[Progress]:
-        """What each reply stream holds already (one XRANGE each, one round trip)."""
+    def progress(self, keys: Sequence[str], max_tokens: Sequence[int]) -> list[Progress]:
+        """What each reply stream holds already, up to its request's `max_new_tokens` (one
+        XRANGE each, one round trip). A worker writes at most one delta per token, then its
+        done entry: what lies beyond is no worker's, and is not read."""
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.xrange(key)
-        return [progress_of(entries) for entries in pipe.execute(raise_on_error=False)]
+        for key, limit in zip(keys, max_tokens, strict=True):
+            pipe.xrange(key, count=limit + 2)
+        return [progress_of(entries, limit) for entries, limit
+                in zip(pipe.execute(raise_on_error=False), max_tokens, strict=True)]
 
     def keep_alive(self, entry_ids: Sequence[str]) -> list[str]:
         """Claim our running entries to ourselves (one script call); returns those no longer

@@ -172,6 +172,14 @@ def test_progress_reads_deltas_and_done() -> None:
     assert progress_of(redis.ResponseError("WRONGTYPE")).chunks == 0
 
 
+def test_progress_stops_past_the_tokens_a_worker_could_have_written() -> None:
+    delta = {"id": "r", "type": "delta", "text": "ab", "token_ids": [1, 2]}
+    entries = [(f"{n}-1".encode(), {b"data": json.dumps(delta).encode()}) for n in range(1, 9)]
+    assert not progress_of(entries, max_tokens=16).overfull
+    found = progress_of(entries, max_tokens=5)
+    assert found.overfull and (found.chunks, len(found.token_ids)) == (3, 6)
+
+
 @pytest.mark.parametrize("forged", [{"text": 5}, {"token_ids": "abc"}, {"token_ids": [-1]},
                                     {"token_ids": [1 << 40]}, {"token_ids": [True]},
                                     {"token_ids": [[1]]}, {"token_ids": [1.5]}])

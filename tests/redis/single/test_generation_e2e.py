@@ -185,21 +185,36 @@ def test_bad_input_is_answered_invalid_request_and_the_worker_keeps_serving(
     assert read_stream(r, stream_key(wide))[-1][1]["ok"]
 
 
+FORGERIES = {  # deltas a producer wrote to its request's reply stream: (token ids, message)
+    "outside-the-vocabulary": ([[10 ** 6]], "holds tokens the model lacks"),
+    # a resume of millions of tokens would hold up the worker's every request: none is read
+    # past max_new_tokens, as no worker writes more
+    "more-than-max-new-tokens": ([[5] * 3] * 20, "holds over 8 tokens"),
+}
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
 def test_a_resume_from_a_forged_reply_stream_is_answered_and_reaches_no_model(
-        worker_factory: Callable[..., Any], tiny_path: Path, r: redis.Redis) -> None:
+        worker_factory: Callable[..., Any], tiny_path: Path, r: redis.Redis,
+        forgery: str) -> None:
     """A producer can write a request's reply stream before a worker takes the request over:
     tokens outside the vocabulary (an index error on a CPU, a device assert that ends the
-    process on CUDA) never reach the model; the request gets an error after those entries."""
+    process on CUDA), or more than the request may generate, never reach the model; the
+    request gets an error after those entries."""
+    deltas, message = FORGERIES[forgery]
     r.xgroup_create(STREAM, "workers", id="0", mkstream=True)
     forged = send(r, {"prompt": "hi", "max_new_tokens": 8})
     r.xreadgroup("workers", "gone", {STREAM: ">"})  # read by a worker that then died
-    delta = {"id": forged, "type": "delta", "index": 1, "text": "x", "token_ids": [10 ** 6]}
-    r.xadd(stream_key(forged), {"data": json.dumps(delta)}, id="1-1")
+    for index, token_ids in enumerate(deltas, 1):
+        delta = {"id": forged, "type": "delta", "index": index, "text": "x",
+                 "token_ids": token_ids}
+        r.xadd(stream_key(forged), {"data": json.dumps(delta)}, id=f"{index}-1")
     options = {"path": str(tiny_path), "max_new_tokens": 8, "max_new_tokens_limit": 64}
     with worker_factory(model="causal_lm", model_options=options, claim_idle_ms=200):
         entries = read_stream(r, stream_key(forged))
-        assert [e[0] for e in entries] == ["1-1", "2-1"]
-        assert entries[1][1]["error"]["code"] == "invalid_request", entries
+        assert [e[0] for e in entries] == [f"{n}-1" for n in range(1, len(deltas) + 2)]
+        error = entries[-1][1]["error"]
+        assert error["code"] == "invalid_request" and message in error["message"], entries
         good = send(r, {"prompt": "hello", "max_new_tokens": 3})
         assert read_stream(r, stream_key(good))[-1][1]["ok"]
     assert r.xpending(STREAM, "workers")["pending"] == 0
