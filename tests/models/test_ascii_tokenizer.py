@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.rigs.paths import REPO_ROOT
+from tests.rigs.tiny_encoders import Recording
 from worker.models.ascii_tokenizer import BatchTokenizer
 from worker.models.encoder import load_tokenizer
 from worker.models.minilm import MAX_SEQ_LENGTH, bundled_model_path
@@ -115,3 +116,40 @@ def test_another_pre_tokenizer_keeps_the_tokenizers_split(tokenizer: Any) -> Non
     assert batch.bare is not None and batch.words is None
     texts = ["it's, a test.", *random_ascii_texts(50, 9)]
     assert batch.ids_many(texts) == whole(other, texts)
+
+
+def test_a_megabyte_of_text_is_tokenised_as_its_reachable_part(tokenizer: Any) -> None:
+    """A text is cut to what truncation could keep before tokenising (a hostile megabyte cost
+    every request of its read seconds): real text keeps the whole tokenizer's ids, and the
+    word cache learns no word past the truncation."""
+    from worker.models import ascii_tokenizer
+
+    batch = BatchTokenizer(tokenizer)
+    assert batch.words is not None
+    rng = random.Random(5)
+    novel = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
+                     for _ in range(120_000))  # ~1 MiB of words seen nowhere
+    real = [SENTENCES.read_text() * 30, "Café déjà vu, naïve 中文. " * 40_000]
+    assert all(len(text) > 256 * ascii_tokenizer.CHARS_PER_TOKEN for text in [*real, novel])
+    assert batch.ids_many(real) == whole(tokenizer, real)
+    known = len(batch.words.cache)
+    assert batch.ids_many([novel]) == whole(tokenizer, [novel])
+    assert len(batch.words.cache) - known <= MAX_SEQ_LENGTH, "only the words truncation keeps"
+
+
+def test_left_truncation_keeps_the_end(tokenizer: Any) -> None:
+    from tokenizers import Tokenizer
+
+    left = Tokenizer.from_str(tokenizer.to_str())
+    left.enable_truncation(8, direction="left")
+    text = "first words " + "filler " * 10_000 + "the very last words"
+    assert BatchTokenizer(left).ids_many([text]) == whole(left, [text])
+
+
+def test_the_tokenizer_is_given_only_what_truncation_could_keep(tokenizer: Any) -> None:
+    from worker.models import ascii_tokenizer
+
+    recording = Recording(tokenizer)
+    text = "中文 text, naïve. " * 60_000  # not plain ASCII: the whole tokenizer's path
+    assert BatchTokenizer(recording).ids_many([text]) == whole(tokenizer, [text])
+    assert 0 < recording.longest <= MAX_SEQ_LENGTH * ascii_tokenizer.CHARS_PER_TOKEN

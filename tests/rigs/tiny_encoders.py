@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from worker.models.minilm import bundled_model_path
 
@@ -73,3 +74,19 @@ def build_tiny_cross_encoder(path: Path, seed: int = 1) -> Path:
     torch.manual_seed(seed)
     BertForSequenceClassification(tiny_config(num_labels=1)).eval().save_pretrained(path)
     return path
+
+
+class Recording:
+    """A tokenizer that notes the longest text a batch call is given."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.longest = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode_batch_fast(self, inputs: list[Any], **options: Any) -> Any:
+        texts = [t for item in inputs for t in (item if isinstance(item, tuple) else (item,))]
+        self.longest = max([self.longest, *map(len, texts)])
+        return self.inner.encode_batch_fast(inputs, **options)
+

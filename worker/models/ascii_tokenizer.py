@@ -37,6 +37,11 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a search is cheaper than translating
 WORD = re.compile(r"[A-Za-z0-9]+|[^ A-Za-z0-9]")
 CACHED_WORDS = 1 << 18  # bounds what a stream of novel words can hold (tens of MB at most)
 CACHED_WORD_CHARS = 40  # longer words are rare: looked up each time, never cached
+# A text is cut to this many characters per token of the tokenizer's limit before tokenising:
+# the rest is truncated away anyway, and a megabyte of text would cost every other request of
+# the read seconds. Real text averages 3-6 characters a token; only runs of whitespace or
+# dropped characters, or words over WordPiece's 100 characters, could reach past the cut.
+CHARS_PER_TOKEN = 32
 # texts the cache must reproduce exactly before it is used: punctuation, digits, case,
 # word-piece splits, a word past WordPiece's 100 characters, truncation
 PROBES = ("Hello, world! It's 3.14 -- (really) [sic]; a_b~c`d{e}f|g^h@i#j$k%l&m*n+o=p<q>r?s/t",
@@ -77,8 +82,9 @@ class WordPieces:
         return words if words.ids_many(list(PROBES)) == expected else None
 
     def ids_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each cleaned ASCII text's ids; the words not cached are worked out in one call."""
-        split = [WORD.findall(text) for text in texts]
+        """Each cleaned ASCII text's ids; the words not cached are worked out in one call.
+        Only a text's first `body` words are looked at: each is at least one piece."""
+        split = [WORD.findall(text)[:self.body] for text in texts]
         out: list[list[int] | None] = [self._wrap(words, self.cache.__getitem__)
                                        for words in split]
         missed = [n for n, ids in enumerate(out) if ids is None]
@@ -116,6 +122,7 @@ class BatchTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.reachable = reachable(tokenizer)
         self.bare: Any = None  # the tokenizer without its normalizer, when the path applies
         self.words: WordPieces | None = None  # its word-piece cache, where that applies
         self.table: dict[int, str | None] | None = None
@@ -158,6 +165,7 @@ class BatchTokenizer:
         """Token ids of each text (special tokens added, truncated as the tokenizer is)."""
         if not texts:
             return []
+        texts = [text[self.reachable] for text in texts]
         if self.bare is None:
             return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts)]
         plain = [self.plain(text) for text in texts]
@@ -169,3 +177,13 @@ class BatchTokenizer:
             fast_ids = iter(encoding.ids for encoding in self.bare.encode_batch_fast(fast))
         slow_ids = iter(encoding.ids for encoding in self.tokenizer.encode_batch_fast(slow))
         return [next(fast_ids if done is not None else slow_ids) for done in plain]
+
+
+def reachable(tokenizer: Any) -> slice:
+    """The part of a text the tokenizer is given: CHARS_PER_TOKEN per token of its truncation
+    length, from the end it keeps; all of it where it does not truncate."""
+    truncation = tokenizer.truncation
+    if not truncation:
+        return slice(None)
+    chars = truncation["max_length"] * CHARS_PER_TOKEN
+    return slice(-chars, None) if truncation.get("direction") == "left" else slice(chars)

@@ -133,7 +133,7 @@ class EncoderModel(Model):
 
     def prepare(self, payload: Any, nbytes: int) -> Prepared:
         text, binary = sentence_of(payload)
-        ids = self.tokenizer.encode(text).ids
+        ids = self.tokenizer.encode(text[self.batch_tokenizer.reachable]).ids
         return Prepared(length=len(ids), data=Sentence(ids, binary))
 
     def prepare_many(self, payloads: Sequence[tuple[Any, int]]) -> list[Prepared | Exception]:

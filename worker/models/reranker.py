@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from producer.liveness import Kind
+from worker.models.ascii_tokenizer import reachable
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.encoder import FILLER_TEXT, TRACE_SHAPES, load_tokenizer
 from worker.models.encoder_dir import EncoderDirError, model_limit, read_json
@@ -114,9 +115,11 @@ class RerankerModel(Model):
         """One batch call of the Rust tokenizer for a read's pairs (outside the GIL)."""
         prepared: list[Prepared | Exception] = []
         pairs: list[tuple[str, str]] = []
+        cut = reachable(self.tokenizer)  # what truncation could keep of each text
         for payload, _ in payloads:
             try:
-                pairs.append(pair_of(payload))
+                query, text = pair_of(payload)
+                pairs.append((query[cut], text[cut]))
             except InvalidInput as exc:
                 prepared.append(exc)
                 continue

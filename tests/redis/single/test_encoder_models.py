@@ -18,8 +18,14 @@ import torch.nn.functional as F
 
 from producer import Client
 from tests.e2e.test_producer_cli import produce, results
-from tests.rigs.tiny_encoders import POSITIONS, build_tiny_cross_encoder, build_tiny_encoder
+from tests.rigs.tiny_encoders import (
+    POSITIONS,
+    Recording,
+    build_tiny_cross_encoder,
+    build_tiny_encoder,
+)
 from worker.models import ModelLoadError, create_model
+from worker.models.ascii_tokenizer import CHARS_PER_TOKEN
 from worker.models.encoder_dir import POOLINGS
 from worker.models.reranker import RerankerModel
 
@@ -160,6 +166,10 @@ def test_reranker_scores_equal_a_direct_forward(cross_encoder: Path) -> None:
                           atol=1e-5)
     assert len({round(r["score"], 4) for r in got}) == len(texts)  # the texts are told apart
     assert model.sample(20).length == 20
+    model.tokenizer = recording = Recording(model.tokenizer)  # a hostile megabyte is cut first
+    [huge] = model.prepare_many([({"query": "q " * 400_000, "text": "t " * 400_000}, 1)])
+    assert not isinstance(huge, Exception) and huge.length == POSITIONS
+    assert 0 < recording.longest <= POSITIONS * CHARS_PER_TOKEN
     assert isinstance(model.scorer, torch.jit.ScriptModule)  # on a CPU: traced, as checked
     eager = create_model("reranker", {"path": str(cross_encoder), "trace": False})
     eager.load(CPU)
