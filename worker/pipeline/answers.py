@@ -4,6 +4,7 @@ queued for the reply thread, which coalesces what is queued into one script call
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ from producer import protocol
 from producer.protocol import ErrorCode, Request
 from worker.execution.guarded_runner import TooLarge
 from worker.policy.batching import Batch, Pending
-from worker.policy.flow import entry_time_ms
+from worker.policy.flow import arrival_ms
 from worker.policy.latency import Admission
 
 MAX_REPLIES_PER_CALL = 1024
@@ -38,7 +39,7 @@ def error_answer(entry_id: str, request: Request, code: ErrorCode, message: str,
                  **details: Any) -> Answer:
     return Answer(entry_id, request.reply_to, request.content_type,
                   protocol.error_envelope(request.id, code, message, **details),
-                  entry_time_ms(entry_id))
+                  arrival_ms(entry_id, time.time() * 1000))
 
 
 def refused_answer(pending: Pending, admission: Admission) -> Answer:

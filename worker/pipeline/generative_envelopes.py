@@ -8,12 +8,13 @@ envelope on the list reply key, as for every other model.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from producer import protocol
 from producer.protocol import Request
 from worker.pipeline.answers import Answer
-from worker.policy.flow import entry_time_ms
+from worker.policy.flow import arrival_ms
 
 
 def delta_envelope(request_id: str, index: int, text: str,
@@ -26,12 +27,12 @@ def final_answer(entry_id: str, request: Request, envelope: dict[str, Any],
                  namespace: str, stream: bool, chunks_written: int) -> Answer:
     """The last answer of a generation: a `done` entry after the chunks on the reply
     stream, or the envelope alone on the list reply key."""
+    arrived = arrival_ms(entry_id, time.time() * 1000)
     if not stream:
-        return Answer(entry_id, request.reply_to, request.content_type, envelope,
-                      entry_time_ms(entry_id))
+        return Answer(entry_id, request.reply_to, request.content_type, envelope, arrived)
     key = protocol.token_stream_key(namespace, request.id, request.reply_to)
     return Answer(entry_id, key, request.content_type, {**envelope, "type": "done"},
-                  entry_time_ms(entry_id), stream_index=chunks_written + 1)
+                  arrived, stream_index=chunks_written + 1)
 
 
 def routed_error(answer: Answer, request: Request, namespace: str, stream: bool) -> Answer:
@@ -40,11 +41,10 @@ def routed_error(answer: Answer, request: Request, namespace: str, stream: bool)
     return final_answer(answer.entry_id, request, answer.envelope, namespace, stream, 0)
 
 
-def generation_meta(model: str, worker: str, entry_id: str, started_ms: float | None,
+def generation_meta(model: str, worker: str, enqueued: int, started_ms: float | None,
                     first_token_ms: float | None, now_ms: float,
                     resumed_at: int = 0) -> dict[str, Any]:
-    """The `meta` of a finished generation: its times from the XADD (the entry id)."""
-    enqueued = entry_time_ms(entry_id)
+    """The `meta` of a finished generation: its times from its arrival (flow.arrival_ms)."""
     started = started_ms or now_ms
     meta: dict[str, Any] = {
         "model": model, "queue_ms": round(started - enqueued, 3),

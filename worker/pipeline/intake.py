@@ -33,7 +33,7 @@ from worker.pipeline.prepare_stage import PrepareStage
 from worker.pipeline.reply import ReadTimeAnswers
 from worker.pipeline.retry import RedisRetry
 from worker.policy.batching import Batcher, Pending
-from worker.policy.flow import claims_first, is_past_deadline
+from worker.policy.flow import arrival_ms, claims_first, is_past_deadline
 from worker.policy.targeted import TargetedDispatch
 from worker.streams.id_claims import Claim, IdClaims
 from worker.streams.reader import Entry
@@ -139,7 +139,9 @@ class Intake:
 
     def _queue_or_refuse(self, pending: Pending, now_ms: int, refused: list[Answer]) -> None:
         """With the lock held: queue the request, unless it is predicted to miss its
-        deadline (or the target, when shedding): then it is answered now, not after a wait."""
+        deadline (or the target, when shedding): then it is answered now, not after a wait.
+        Its arrival is read once, here (flow.arrival_ms)."""
+        pending.enqueued_ms = arrival_ms(pending.entry_id, now_ms)
         if self.targeted.checks(pending):
             decision = self.targeted.admit(self.batcher, pending, now_ms)
             if not decision.admit:

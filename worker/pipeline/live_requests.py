@@ -25,7 +25,7 @@ from worker.pipeline.generative_envelopes import (
     routed_error,
 )
 from worker.policy.batching import Pending
-from worker.policy.flow import entry_time_ms, is_past_deadline
+from worker.policy.flow import is_past_deadline
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ class LiveRequests:
             if live.first_token_ms is None:
                 live.first_token_ms = now_ms
                 metrics.TIME_TO_FIRST_TOKEN.labels(self.model_name).observe(
-                    (now_ms - entry_time_ms(delta.id)) / 1000)
+                    (now_ms - live.pending.enqueued_ms) / 1000)
             if delta.text and live.data.stream:
                 live.chunks += 1
                 request = live.pending.request
@@ -104,8 +104,9 @@ class LiveRequests:
         """Its success answer (the `done` entry after its chunks); it is live no more."""
         live = self.live.pop(entry_id)
         request = live.pending.request
-        meta = generation_meta(self.model_name, self.consumer, entry_id, live.started_ms,
-                               live.first_token_ms, time.time() * 1000, live.resumed_at)
+        meta = generation_meta(self.model_name, self.consumer, live.pending.enqueued_ms,
+                               live.started_ms, live.first_token_ms, time.time() * 1000,
+                               live.resumed_at)
         result = {"text": text.text, "tokens": len(text.generated),
                   "prompt_tokens": len(live.data.prompt_ids), "finish_reason": reason}
         metrics.GENERATIONS_FINISHED.labels(self.model_name, reason).inc()

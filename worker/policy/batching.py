@@ -29,7 +29,7 @@ class Pending:
     item: Prepared
     read_at: float  # monotonic seconds: max_wait_ms counts from here
     seq: int = 0  # arrival order, set by the Batcher
-    enqueued_ms: int = 0  # the XADD time (Unix ms, from the entry id), set by the Batcher
+    enqueued_ms: int = 0  # the XADD time (Unix ms, from the entry id; at most the read time)
 
 
 @dataclass(slots=True)
@@ -219,7 +219,7 @@ class Batcher:
         """Queue a prepared request; returns its bucket index."""
         self._seq += 1
         pending.seq = self._seq
-        pending.enqueued_ms = entry_time_ms(pending.entry_id)
+        pending.enqueued_ms = pending.enqueued_ms or entry_time_ms(pending.entry_id)
         index = bucket_of(pending.item.length, self.boundaries)
         self.buckets[index].add(pending)
         self._size += 1

@@ -58,6 +58,13 @@ def entry_time_ms(entry_id: str) -> int:
     return int(entry_id.partition("-")[0])
 
 
+def arrival_ms(entry_id: str, now_ms: float) -> int:
+    """A request's arrival: its XADD time, but never after now. A producer may XADD with an
+    explicit id in the future, and every later id of that stream then takes its time: read
+    as is, every request would look as if it had not waited at all."""
+    return min(entry_time_ms(entry_id), int(now_ms))
+
+
 def queue_waits_ms(started_ms: float, enqueued_ms: Sequence[int]) -> list[float]:
     """Each member's wait from its XADD to its batch's launch, in ms (never negative).
 

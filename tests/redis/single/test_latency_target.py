@@ -9,10 +9,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from producer import Client
+from producer import Client, protocol
 
 TARGET_MS = 500.0  # some 10x what the step takes: a stall of the shared host is not a miss
 
@@ -77,14 +78,23 @@ def test_a_deadline_that_cannot_be_met_is_answered_when_read(
     assert "cannot meet its deadline" in envelope["error"]["message"] and backlog_left
 
 
-def test_overload_is_shed_with_a_retry_time(redis_url: str,
-                                            worker_factory: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("future_id", [False, True], ids=["ids-now", "after-a-future-id"])
+def test_overload_is_shed_with_a_retry_time(redis_url: str, r: redis.Redis,
+                                            worker_factory: Callable[..., Any],
+                                            future_id: bool) -> None:
+    """Also after a producer's XADD with an explicit id an hour ahead: every later id of the
+    stream takes that time, and read as is no request would look as if it had waited."""
     client = Client(redis_url, "echo")
     refused_before = metric("redbatch_refused_total", model="echo", code="overloaded")
     with worker_factory(model_options={"delay_ms": 100}, max_batch_size=2, instances=1,
                         latency_target_ms=400.0, shed_over_target=True):
         for request_id in client.submit_many([{"n": i} for i in range(6)]):
             client.wait(request_id, timeout=30)
+        if future_id:
+            ahead = int(time.time() * 1000) + 3_600_000
+            r.xadd("redbatch:requests:echo", {"id": "ahead", "payload": protocol.encode(
+                {"n": -1}, protocol.MSGPACK)}, id=f"{ahead}-0")
+            assert client.wait("ahead", timeout=30)["meta"]["queue_ms"] < 1000
         burst = client.submit_many([{"n": i} for i in range(60)])
         envelopes = [client.wait(i, timeout=30) for i in burst]
     refused = [e for e in envelopes if not e["ok"]]

@@ -11,6 +11,7 @@ import pytest
 from worker.policy.backoff import backoff_delays
 from worker.policy.flow import (
     FlowPolicy,
+    arrival_ms,
     claims_first,
     end_to_end_s,
     entry_time_ms,
@@ -66,6 +67,13 @@ def test_a_busy_instance_yields_the_next_batch_to_an_idle_one(blocking: bool, id
 
 def test_the_xadd_time_is_read_from_the_entry_id() -> None:
     assert entry_time_ms("1700000000123-7") == 1_700_000_000_123
+
+
+def test_an_arrival_is_never_later_than_its_read() -> None:
+    """A producer's explicit id in the future (and every later id of its stream) arrives
+    when it is read."""
+    assert arrival_ms("1700000000123-7", 1_700_000_000_500.9) == 1_700_000_000_123
+    assert arrival_ms("1800000000000-0", 1_700_000_000_500.9) == 1_700_000_000_500
 
 
 def test_queue_waits_are_in_ms_to_the_microsecond_and_never_negative() -> None:
