@@ -140,9 +140,8 @@ class CausalLM(Model):
         if isinstance(prompt, list):
             if not getattr(tokenizer, "chat_template", None):
                 raise InvalidInput("this model has no chat template: send 'prompt'", "messages")
-            text = tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                 add_generation_prompt=True)
-            self._refuse_sure_overflow(str(text))
+            text = self._chat_text(prompt)
+            self._refuse_sure_overflow(text)
             ids = list(tokenizer(text, add_special_tokens=False).input_ids)
         else:
             self._refuse_sure_overflow(prompt)
@@ -152,6 +151,20 @@ class CausalLM(Model):
         if not ids:
             raise InvalidInput("'prompt' is empty", "prompt")
         return ids
+
+    def _chat_text(self, messages: list[dict[str, str]]) -> str:
+        """The messages through the chat template; a template that refuses them (its
+        `raise_exception`, e.g. "Conversation roles must alternate") refuses the request."""
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+        try:
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=True))
+        except TemplateSyntaxError:
+            raise  # a broken template is the model's fault, not the request's
+        except (TemplateError, ValueError) as exc:
+            raise InvalidInput(f"the chat template refused the messages: {exc}",
+                               "messages") from None
 
     def _refuse_sure_overflow(self, text: str) -> None:
         """Refuse a text sure to overflow the context window before tokenising it whole (a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import msgpack
 import pytest
 import redis
 import torch
+from structlog.testing import capture_logs
 
 from producer import protocol
 from tests.rigs.tiny_lm import build_tiny_lm, engine_text
@@ -183,6 +185,37 @@ def test_bad_input_is_answered_invalid_request_and_the_worker_keeps_serving(
     wide = send(r, {"prompt": "hello", "max_new_tokens": 3, "temperature": 1.0, "seed": 1,
                     "top_k": 10 ** 20})
     assert read_stream(r, stream_key(wide))[-1][1]["ok"]
+
+
+# A Mistral / Llama-2 style template: its raise_exception refuses roles that do not alternate.
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
+    "{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_messages_a_chat_template_refuses_are_invalid_request_without_a_traceback(
+        worker_factory: Callable[..., Any], tiny_path: Path, r: redis.Redis,
+        tmp_path: Path) -> None:
+    """A template's raise_exception is jinja2's TemplateError, not a ValueError: it must
+    still be the request's fault (invalid_request, the template's message), not the model's
+    (model_error, its traceback logged with the user's messages)."""
+    path = Path(shutil.copytree(tiny_path, tmp_path / "alternating"))
+    (path / "chat_template.jinja").write_text(ALTERNATING_TEMPLATE)
+    options = {"path": str(path), "max_new_tokens": 3}
+    with capture_logs() as logs, worker_factory(model="causal_lm", model_options=options):
+        twice = [{"role": "user", "content": "secret one"},
+                 {"role": "user", "content": "secret two"}]
+        bad = send(r, {"messages": twice, "stream": False})
+        good = send(r, {"messages": [{"role": "user", "content": "hello"}], "stream": False})
+        refused, served = list_reply(r, bad), list_reply(r, good)
+    assert refused["error"]["code"] == "invalid_request", refused
+    assert "Conversation roles must alternate" in refused["error"]["message"]
+    assert refused["error"]["field"] == "messages"
+    assert served["ok"] and served["result"]["tokens"] == 3, served
+    assert not [entry for entry in logs
+                if "exc_info" in entry or entry["log_level"] in ("error", "critical")]
 
 
 FORGERIES = {  # deltas a producer wrote to its request's reply stream: (token ids, message)
