@@ -35,7 +35,8 @@ MOVE_TO_DEAD = """
 -- KEYS[1] stream, KEYS[2] dead-letter stream, KEYS[3..n+2] reply keys ('' when none)
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] reply ttl ms, ARGV[4] dead-letter maxlen,
 -- then per entry: entry id, deliveries, reason, envelope. Returns {the ids moved, 1 if the
--- dead-letter stream holds another type}. An entry's fields are copied up to max_values.
+-- dead-letter stream holds another type}. An entry's fields are copied up to max_values,
+-- but for those named dead:*: a producer's would shadow (forge) the metadata written here.
 local stream, dead = KEYS[1], KEYS[2]
 local group, consumer, ttl, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local max_values = 2 * 64
@@ -51,7 +52,11 @@ for i = 3, #KEYS do
     if #fields > max_values then  -- within Lua's stack: the first fields, and how many
       copy[#copy + 1], copy[#copy + 2] = 'dead:fields', tostring(#fields / 2)
     end
-    for f = 1, math.min(#fields, max_values) do copy[#copy + 1] = fields[f] end
+    for f = 1, math.min(#fields, max_values), 2 do
+      if string.sub(fields[f], 1, 5) ~= 'dead:' then
+        copy[#copy + 1], copy[#copy + 2] = fields[f], fields[f + 1]
+      end
+    end
     local added = redis.pcall(unpack(copy))
     if type(added) == 'table' and added.err then
       if not string.find(added.err, 'WRONGTYPE', 1, true) then
@@ -92,6 +97,12 @@ end
 return added
 """
 
+LIST = """
+-- KEYS[1] dead-letter stream; ARGV[1] count. XRANGE as Redis sends it: its fields as pairs
+-- in order (redis-py's xrange makes a dict in which a repeated name's last value wins).
+return redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', ARGV[1])
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
@@ -103,9 +114,12 @@ class DeadLetter:
     def summary(self) -> dict[str, str | int]:
         """What an operator needs to decide on it (the payload only by size)."""
         fields = self.fields
+        deliveries = fields.get("dead:deliveries", "0")
         return {"dead_letter_id": self.id, "request_id": fields.get("id", ""),
                 "entry_id": fields.get("dead:entry_id", ""),
-                "deliveries": int(fields.get("dead:deliveries", 0)),
+                # shown, not trusted: a dead letter written by an older worker may hold any text
+                "deliveries": int(deliveries) if deliveries.isascii() and deliveries.isdigit()
+                else "unknown",
                 "error": fields.get("dead:error", ""), "consumer": fields.get("dead:consumer", ""),
                 "payload_bytes": len(fields.get("payload", ""))}
 
@@ -229,10 +243,18 @@ class DeadLetters:
 
 def list_dead_letters(client: redis.Redis, dead_stream: str, count: int) -> list[DeadLetter]:
     """The oldest `count` dead letters."""
-    entries: Any = client.xrange(dead_stream, count=count)
-    return [DeadLetter(as_text(entry_id), {as_text(k, "replace"): as_text(v, "replace")  # any bytes
-                                           for k, v in fields.items()})
-            for entry_id, fields in entries]
+    entries: Any = client.register_script(LIST)(keys=[dead_stream], args=[count])
+    return [DeadLetter(as_text(entry_id), first_values(pairs)) for entry_id, pairs in entries]
+
+
+def first_values(pairs: Sequence[bytes]) -> dict[str, str]:
+    """Field name -> value, a repeated name's first value winning: the worker writes its
+    dead:* metadata first, so one a producer added to its entry (before the copy skipped
+    them) cannot shadow it."""
+    fields: dict[str, str] = {}
+    for name, value in zip(pairs[::2], pairs[1::2], strict=True):
+        fields.setdefault(as_text(name, "replace"), as_text(value, "replace"))  # any bytes
+    return fields
 
 
 def requeue_dead_letters(client: redis.Redis, dead_stream: str, stream: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -13,6 +14,8 @@ from prometheus_client import REGISTRY
 from producer import AsyncClient, Client, Overloaded
 from producer.protocol import dead_letter_key, decode_envelope, entry_fields, stream_key
 from tests.e2e.test_producer_cli import announce
+from worker.commands.dead_letters import run_dead_letters
+from worker.settings import load_settings
 from worker.streams.dead_letters import DeadLetters, list_dead_letters, requeue_dead_letters
 from worker.streams.maintenance import Maintenance
 from worker.streams.reader import StreamReader
@@ -118,6 +121,49 @@ def test_poison_entries_move_to_the_dead_letter_stream_and_requeue(group: redis.
     assert group.xlen(dead_stream) == 0
     fields = group.xrange(STREAM, requeued, requeued)[0][1]
     assert fields == {b"id": b"req0", b"payload": b"\x80"}
+
+
+def test_a_producers_dead_fields_neither_forge_nor_break_the_dead_letters(
+        group: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry's own `dead:*` fields once followed the worker's in the dead letter, so the
+    listing showed the forged error and `int("many")` stopped the command."""
+    forged = {**entry_fields("req0", b"\x80"), "dead:deliveries": "many",
+              "dead:error": "forged", "dead:consumer": "nobody"}
+    entry_id = group.xadd(STREAM, forged).decode()  # type: ignore[arg-type]
+    for start in (">", "0"):
+        group.xreadgroup(GROUP, "w", {STREAM: start})
+    entries = list(StreamReader(group, STREAM, GROUP, "w")._xreadgroup("0", 10, None))
+    assert dead_letters(group, "w", max_deliveries=2).divert(entries) == []
+    dead_stream = dead_letter_key("redbatch", "echo")
+    [(_, raw)] = group.eval("return redis.call('XRANGE', KEYS[1], '-', '+')", 1,
+                            dead_stream)  # type: ignore[misc]  # the pairs, not a dict
+    names = raw[::2]
+    assert names.count(b"dead:deliveries") == names.count(b"dead:error") == 1
+    [dead] = list_dead_letters(group, dead_stream, 10)
+    summary = dead.summary()
+    assert summary["deliveries"] == 3 and summary["consumer"] == "w"
+    assert summary["entry_id"] == entry_id and "max_deliveries 2" in str(summary["error"])
+    settings = load_settings(None, redis_url=redis_url, model="echo")
+    assert run_dead_letters(settings, 10, [], False) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [json.loads(line) for line in listed] == [summary]
+    [requeued] = requeue_dead_letters(group, dead_stream, STREAM, [dead.id])
+    fields = group.xrange(STREAM, requeued, requeued)[0][1]
+    assert fields == {b"id": b"req0", b"payload": b"\x80"}
+
+
+def test_a_dead_letter_holding_forged_fields_lists_the_workers_own(group: redis.Redis) -> None:
+    """One written before the copy skipped them: the first value of a name (the worker's)
+    wins, and a count that is no integer is shown as unknown instead of stopping the listing."""
+    dead_stream = dead_letter_key("redbatch", "echo")
+    group.execute_command("XADD", dead_stream, "*", "dead:entry_id", "1-0", "dead:deliveries",
+                          "4", "dead:error", "true reason", "id", "req0", "dead:error", "forged",
+                          "dead:deliveries", "many")
+    group.xadd(dead_stream, {"dead:deliveries": "many", "id": "req1"})
+    first, second = (d.summary() for d in list_dead_letters(group, dead_stream, 10))
+    assert (first["deliveries"], first["error"], first["request_id"]) == (4, "true reason",
+                                                                           "req0")
+    assert second["deliveries"] == "unknown" and second["request_id"] == "req1"
 
 
 def test_a_claimed_entry_is_not_dead_lettered_by_its_former_owner(group: redis.Redis) -> None:
