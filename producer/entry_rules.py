@@ -99,6 +99,21 @@ class ContainerCount:
             raise ValueError(f"more than {MAX_CONTAINERS} arrays and maps")
         return container
 
+    def with_arrays(self, obj: Any, data: bytes) -> Any:
+        """Decoded JSON (`data`), its arrays counted too: json has an object hook (this)
+        but none for arrays, and '[[],[],...' makes 23 MB of lists of 1 MiB. Each array
+        takes two bytes at least and opens with a '[' byte, so a payload of no more than
+        twice, or with no more '[' than, the maps left room for fits (a short one is not
+        even counted): only one with more (or with '[' in its strings) is walked, in full."""
+        if len(data) <= 2 * self.left or data.count(b"[") <= self.left:
+            return obj
+        counted, stack = ContainerCount(), [obj] if isinstance(obj, list | dict) else []
+        while stack:  # iterative, for deep nesting; stops at the first container too many
+            container = counted(stack.pop())
+            items = container.values() if isinstance(container, dict) else container
+            stack += [item for item in items if isinstance(item, list | dict)]
+        return obj
+
 
 # In JSON's bytes, a UTF-16 surrogate escaped (\ud800-\udfff) or encoded as UTF-8 (ED A0-BF)
 SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")

@@ -142,7 +142,7 @@ def decode(data: bytes, content_type: str) -> Any:
     count = ContainerCount()
     if content_type == JSON:
         try:
-            obj = json.loads(data, object_hook=count)
+            obj = count.with_arrays(json.loads(data, object_hook=count), data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"payload is not valid JSON: {exc}") from None
         except RecursionError:  # e.g. '[[[[...', well within the size limit

@@ -107,6 +107,46 @@ def test_json_of_many_objects_is_refused() -> None:
         protocol.decode(json.dumps([{}] * (entry_rules.MAX_CONTAINERS + 1)).encode(), JSON)
 
 
+LIMIT_CONTAINERS = entry_rules.MAX_CONTAINERS
+REASON = f"more than {LIMIT_CONTAINERS} arrays and maps"
+OVER_LIMIT = [  # one container too many, the outer array included
+    [[]] * LIMIT_CONTAINERS,  # siblings
+    [[[[]]]] * (LIMIT_CONTAINERS // 3) + [[]],  # nested three deep
+    [{}] * 8000 + [[]] * (LIMIT_CONTAINERS - 8000),  # maps and arrays together
+]
+
+
+@pytest.mark.parametrize("payload", OVER_LIMIT, ids=["siblings", "nested", "mixed"])
+def test_json_arrays_count_against_the_container_limit_as_msgpacks_do(payload: list) -> None:
+    """json has no hook for arrays: '[[],[],...]' once decoded past the limit unchecked."""
+    reasons = []
+    for data, content_type in ((json.dumps(payload).encode(), JSON),
+                               (msgpack.packb(payload), MSGPACK)):
+        with pytest.raises(ValueError) as caught:
+            protocol.decode(data, content_type)
+        reasons.append(str(caught.value).split(": ", 1)[1])
+    assert reasons == [REASON, REASON]  # the same reason; either is invalid_request
+
+
+@pytest.mark.parametrize("payload", [
+    [[]] * (LIMIT_CONTAINERS - 1),  # exactly the limit, the outer array included
+    [{}] * 8000 + [[]] * (LIMIT_CONTAINERS - 8001),
+    {"text": "[" * 200_000, "tags": ["[", "[[", "]"]},  # '[' in strings is no array
+    [[]] * (LIMIT_CONTAINERS - 1) + ["[" * LIMIT_CONTAINERS],  # the limit, walked exactly
+], ids=["arrays", "mixed", "brackets-in-strings", "limit-and-brackets"])
+def test_json_at_the_container_limit_decodes(payload: object) -> None:
+    assert protocol.decode(json.dumps(payload).encode(), JSON) == payload
+    assert protocol.decode(msgpack.packb(payload), MSGPACK) == payload
+
+
+def test_a_mebibyte_of_empty_json_arrays_is_refused_quickly() -> None:
+    hostile = b"[" + b"[]," * 349_000 + b"[]]"
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="too complex: " + REASON):
+        protocol.decode(hostile, JSON)
+    assert time.perf_counter() - started < 1.0
+
+
 def test_ordinary_payloads_still_decode() -> None:
     payload = {"text": "x" * 100_000, "messages": [{"role": "user", "content": "hi"}] * 50,
                "embedding": b"\x00" * 1536}
