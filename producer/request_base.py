@@ -19,6 +19,7 @@ from producer.backlog import add_arguments, add_once_arguments
 from producer.errors import Overloaded
 from producer.models import ModelKind
 from producer.replicas import ReplicaCount
+from producer.request_entry import entry_fields
 from producer.sharded import REMEMBERED_REPLY_KEYS, Sharding
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -138,7 +139,7 @@ class _Base(Sharding):
     def _fields(self, payload: Any, request_id: str, reply_to: str | None,
                 deadline_ms: int | None, priority: int) -> Any:
         payload = self._answerable(payload, request_id, reply_to)
-        return protocol.entry_fields(
+        return entry_fields(
             request_id, protocol.encode(payload, self.content_type),
             content_type=self.content_type, reply_to=reply_to, deadline_ms=deadline_ms,
             priority=priority)

@@ -15,6 +15,7 @@ import redis
 
 from producer import protocol
 from producer.protocol import DEFAULT_GROUP
+from producer.request_entry import entry_fields
 from worker.streams.reader import StreamReader
 from worker.streams.replier import Replier, Reply
 
@@ -47,8 +48,8 @@ def stage(client: redis.Redis, key: str, payloads: Sequence[bytes], reply_to: st
     started = time.perf_counter()
     pipe = client.pipeline(transaction=False)
     for index, payload in enumerate(payloads):
-        pipe.xadd(key, protocol.entry_fields(f"r{index}", payload,  # type: ignore[arg-type]
-                                             reply_to=reply_to))
+        pipe.xadd(key, entry_fields(f"r{index}", payload,  # type: ignore[arg-type]
+                                    reply_to=reply_to))
         if len(pipe) >= PIPELINE_CHUNK:
             pipe.execute()
     pipe.execute()
@@ -124,7 +125,7 @@ def open_loop_at(url: str, stream: str, payloads: Sequence[bytes], offsets: Sequ
                 time.sleep(delay)
             request_id = f"p{index}"
             sent[request_id] = time.perf_counter()
-            sender_client.xadd(stream, protocol.entry_fields(  # type: ignore[arg-type]
+            sender_client.xadd(stream, entry_fields(  # type: ignore[arg-type]
                 request_id, payloads[index % len(payloads)], reply_to=reply_to))
 
     sender = threading.Thread(target=send, name="bench-sender", daemon=True)

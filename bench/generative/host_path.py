@@ -38,6 +38,7 @@ import redis
 import torch
 
 from producer import protocol
+from producer.request_entry import entry_fields
 from worker.execution.executor import device_precision, resolve_device
 from worker.execution.generation import GenerationEngine
 from worker.execution.paged_attention import Layout
@@ -95,7 +96,7 @@ def one_round(client: redis.Redis, requests: int, tokens: int) -> float:
     started = time.perf_counter()
     pipe = client.pipeline(transaction=False)
     for n in range(requests):
-        pipe.xadd(stream, protocol.entry_fields(f"h{tag}-{n}", payload))  # type: ignore[arg-type]
+        pipe.xadd(stream, entry_fields(f"h{tag}-{n}", payload))  # type: ignore[arg-type]
     pipe.execute()
     deadline = started + 600
     while int(client.get(answered) or 0) < start + requests:

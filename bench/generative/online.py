@@ -23,7 +23,7 @@ import redis
 from bench.common.load import open_loop_at, poisson_offsets
 from bench.generative.offline import Run
 from bench.generative.workload import GenRequest
-from producer import protocol
+from producer import protocol, request_entry
 
 
 def _reply_key() -> str:
@@ -33,7 +33,7 @@ def _reply_key() -> str:
 
 def _send(client: redis.Redis, stream: str, index: int, request: GenRequest,
           reply_key: str) -> None:
-    client.xadd(stream, protocol.entry_fields(  # type: ignore[arg-type]
+    client.xadd(stream, request_entry.entry_fields(  # type: ignore[arg-type]
         f"g{index}", msgpack.packb(request.payload), reply_to=reply_key))
 
 

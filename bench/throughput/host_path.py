@@ -40,7 +40,7 @@ import torch
 
 from bench.common.paths import SENTENCES
 from bench.throughput.stage_clock import STAGES, StageClock
-from producer import protocol
+from producer import protocol, request_entry
 from worker.execution.executor import Executor, device_precision, resolve_device
 from worker.models import Model, create_model
 from worker.models.echo import EchoModel
@@ -114,8 +114,8 @@ def one_round(client: redis.Redis, name: str, data: Sequence[bytes]) -> float:
     started = time.perf_counter()
     pipe = client.pipeline(transaction=False)
     for n, payload in enumerate(data):
-        pipe.xadd(stream, protocol.entry_fields(f"{reply_to}:{n}", payload,
-                                                reply_to=reply_to))
+        pipe.xadd(stream, request_entry.entry_fields(f"{reply_to}:{n}", payload,
+                                                     reply_to=reply_to))
     pipe.execute()
     deadline = started + 120
     while client.llen(reply_to) < len(data):

@@ -26,6 +26,7 @@ STAGES = ("read", "decode", "tokenise", "batch", "collate", "forward", "postproc
 def _targets(model: Model) -> list[tuple[Any, str, str]]:
     """(owner, attribute, stage) of every function measured."""
     import producer.protocol
+    import producer.request_entry
     import worker.pipeline.compute
     import worker.pipeline.reply
     from worker.policy.batching import Batcher
@@ -33,7 +34,7 @@ def _targets(model: Model) -> list[tuple[Any, str, str]]:
     from worker.streams.replier import Replier
 
     tokenise = "prepare_many" if hasattr(model, "prepare_many") else "prepare"
-    return [(StreamReader, "read", "read"), (producer.protocol, "parse_entry", "decode"),
+    return [(StreamReader, "read", "read"), (producer.request_entry, "parse_entry", "decode"),
             (producer.protocol, "decode", "decode"), (model, tokenise, "tokenise"),
             (Batcher, "add", "batch"), (Batcher, "next_batch", "batch"),
             (model, "collate", "collate"), (model, "forward", "forward"),

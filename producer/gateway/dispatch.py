@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from producer import connection, protocol
+from producer import connection, protocol, request_entry
 from producer.async_client import AsyncClient
 from producer.errors import Overloaded
 from producer.gateway import errors
@@ -92,7 +92,7 @@ class Dispatcher:
         ids = [new_request_id() for _ in payloads]
         async with self.redis.pipeline(transaction=False) as pipe:
             for request_id, payload in zip(ids, payloads, strict=True):
-                fields: Any = protocol.entry_fields(  # what AsyncClient.submit_many sends
+                fields: Any = request_entry.entry_fields(  # what AsyncClient.submit_many sends
                     request_id, protocol.encode(payload, client.content_type),
                     content_type=client.content_type, reply_to=reply_to,
                     deadline_ms=deadline_ms)

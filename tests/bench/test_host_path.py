@@ -19,6 +19,7 @@ import torch
 
 from producer import Client, protocol
 from producer.embeddings import as_float32_bytes, decode_reply, decode_result
+from producer.request_entry import entry_fields
 from tests.rigs.workers import loaded_model
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.minilm import MiniLMModel
@@ -210,17 +211,14 @@ def test_a_bad_entry_in_a_read_is_refused_alone(
     # the prepare thread runs on an accelerator; here it is asked for, or not
     monkeypatch.setattr(worker_module, "prepares_on_a_thread", lambda runners: threaded)
     stream = protocol.stream_key(protocol.DEFAULT_NAMESPACE, "minilm")
-    entries = [protocol.entry_fields("e0", protocol.encode({"text": "first"}, protocol.MSGPACK)),
-               protocol.entry_fields("e1", b"\xc1"),
-               protocol.entry_fields("e2", protocol.encode({"txt": "no"}, protocol.MSGPACK)),
-               {**protocol.entry_fields("e3", protocol.encode({"text": "y"}, protocol.MSGPACK)),
+    entries = [entry_fields("e0", protocol.encode({"text": "first"}, protocol.MSGPACK)),
+               entry_fields("e1", b"\xc1"),
+               entry_fields("e2", protocol.encode({"txt": "no"}, protocol.MSGPACK)),
+               {**entry_fields("e3", protocol.encode({"text": "y"}, protocol.MSGPACK)),
                 "deadline_ms": "soon"},
-               protocol.entry_fields("e4", protocol.encode({"text": "x", "encoding": 5},
-                                                           protocol.MSGPACK)),
-               protocol.entry_fields("e5", protocol.encode({"text": "middle " * 400},
-                                                           protocol.MSGPACK)),
-               protocol.entry_fields("e6", protocol.encode({"text": "last one"},
-                                                           protocol.MSGPACK))]
+               entry_fields("e4", protocol.encode({"text": "x", "encoding": 5}, protocol.MSGPACK)),
+               entry_fields("e5", protocol.encode({"text": "middle " * 400}, protocol.MSGPACK)),
+               entry_fields("e6", protocol.encode({"text": "last one"}, protocol.MSGPACK))]
     r = redis.Redis.from_url(redis_url)
     for fields in entries:  # queued before the worker reads: one read
         r.xadd(stream, fields)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import redis
 
 from producer import connection, protocol
+from producer.request_entry import entry_fields
 from worker.app import StartupError
 from worker.commands.demo import settings_env, wait_until_serving
 from worker.models import BUILTIN
@@ -70,7 +71,7 @@ def submit(client: Any, stream: str, prompts: list[str], max_new_tokens: int) ->
     for request_id, prompt in zip(ids, prompts, strict=True):
         payload = {"messages": [{"role": "user", "content": prompt}],
                    "max_new_tokens": max_new_tokens}
-        pipe.xadd(stream, protocol.entry_fields(
+        pipe.xadd(stream, entry_fields(
             request_id, protocol.encode(payload, protocol.MSGPACK)))
     pipe.execute()
     return ids

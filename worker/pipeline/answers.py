@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer import protocol
-from producer.protocol import ErrorCode, Request
+from producer.protocol import ErrorCode
+from producer.request_entry import Request
 from worker.execution.guarded_runner import TooLarge
 from worker.policy.batching import Batch, Pending
 from worker.policy.flow import arrival_ms

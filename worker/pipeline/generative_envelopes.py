@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from producer import protocol
-from producer.protocol import Request
+from producer.request_entry import Request
 from worker.pipeline.answers import Answer
 from worker.policy.flow import arrival_ms
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import structlog
 
-from producer import protocol
+from producer import protocol, request_entry
 from producer.entry_rules import EntryRules
-from producer.protocol import ErrorCode, InvalidEntry, Request
+from producer.protocol import ErrorCode
+from producer.request_entry import InvalidEntry, Request
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.observe import metrics
 from worker.pipeline import ports
@@ -181,10 +182,10 @@ class Intake:
             metrics.UNANSWERABLE.labels(self.config.model_name, "deleted").inc()
             return None
         try:
-            return protocol.parse_entry(entry.fields, self.config.namespace,
-                                        self.config.max_payload_bytes,
-                                        reply_prefixes=self.config.reply_prefixes,
-                                        default_reply=entry.default_reply)
+            return request_entry.parse_entry(entry.fields, self.config.namespace,
+                                             self.config.max_payload_bytes,
+                                             reply_prefixes=self.config.reply_prefixes,
+                                             default_reply=entry.default_reply)
         except InvalidEntry as exc:
             self._refuse(entry.id, exc, admission)
             return None
@@ -245,7 +246,7 @@ class Intake:
         stream unless it asked for none; the default key when its `reply_to` is of the
         other kind (a list where a stream is wanted, or the reverse)."""
         streamed = self.model.generative and self.model.answers_on_stream(_decoded(request))
-        if protocol.misdirected(request, streamed, self.rules):
+        if request_entry.misdirected(request, streamed, self.rules):
             request = replace(request, reply_to=request.default_reply)
             answer = replace(answer, reply_to=request.default_reply)
         if self.model.generative:
@@ -263,7 +264,7 @@ class Intake:
         except ValueError as exc:  # an undecodable payload
             return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST, str(exc))
         streamed = self.model.generative and self.model.answers_on_stream(payload)
-        if protocol.misdirected(request, streamed, self.rules):
+        if request_entry.misdirected(request, streamed, self.rules):
             return error_answer(entry_id, request, ErrorCode.INVALID_REQUEST,
                                 self.rules.misdirected_message(streamed), field="reply_to")
         return payload

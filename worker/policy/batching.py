@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from worker.policy.flow import entry_time_ms
 
 if TYPE_CHECKING:  # types only: policy imports nothing that does I/O (or torch)
-    from producer.protocol import Request
+    from producer.request_entry import Request
     from worker.models.base import Prepared
 
 

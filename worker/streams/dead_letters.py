@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
-from producer import protocol
+from producer import protocol, request_entry
 from producer.entry_rules import EntryRules
-from producer.protocol import ErrorCode, InvalidEntry
+from producer.protocol import ErrorCode
+from producer.request_entry import InvalidEntry
 from producer.shards import key_slot
 from worker.observe import metrics
 from worker.streams.reader import Entry, Fields, as_text, is_group_lost
@@ -135,14 +136,14 @@ def reply_target(fields: Fields | None, rules: EntryRules
     if fields is None:
         return None
     try:
-        request = protocol.parse_entry(fields, rules.namespace, rules.max_payload_bytes,
-                                       reply_prefixes=rules.reply_prefixes)
+        request = request_entry.parse_entry(fields, rules.namespace, rules.max_payload_bytes,
+                                            reply_prefixes=rules.reply_prefixes)
     except InvalidEntry as exc:
         if not exc.answerable:
             return None
         assert exc.request_id is not None and exc.reply_to is not None
-        request = protocol.Request(exc.request_id, b"", exc.content_type, exc.reply_to,
-                                   default_reply=exc.default_reply or exc.reply_to)
+        request = request_entry.Request(exc.request_id, b"", exc.content_type, exc.reply_to,
+                                        default_reply=exc.default_reply or exc.reply_to)
     listed = request.reply_to if rules.list_reply_allowed(request.reply_to) \
         else request.default_reply
     return request.id, listed, request.content_type

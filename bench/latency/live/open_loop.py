@@ -19,7 +19,7 @@ import redis
 from bench.common.load import bench_reply_key
 from bench.latency.sim.goals import WINDOW_S, percentile
 from bench.latency.sim.simulate import Phase
-from producer import protocol
+from producer import protocol, request_entry
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Sender:
         pipe = self.client.pipeline(transaction=False)
         for i in range(index, due):
             self.late[i] = elapsed - self.offsets[i]
-            pipe.xadd(self.stream, protocol.entry_fields(  # type: ignore[arg-type]
+            pipe.xadd(self.stream, request_entry.entry_fields(  # type: ignore[arg-type]
                 f"p{i}", self.payloads[i % len(self.payloads)], reply_to=self.reply_to))
         for i, entry_id in zip(range(index, due), pipe.execute(), strict=True):
             self.sent[i] = (before, int(entry_id.partition(b"-")[0]))

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producer.protocol import MSGPACK, Request
+from producer.protocol import MSGPACK
+from producer.request_entry import Request
 from worker.models.base import Prepared
 from worker.policy.batching import Batch, Pending
 

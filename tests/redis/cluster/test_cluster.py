@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import AsyncClient, Client, Overloaded, connection, protocol
+from producer import AsyncClient, Client, Overloaded, connection, protocol, request_entry
 from producer.backlog import ShardCycle
 from producer.replicas import ReplicaCount
 from producer.shards import key_slot, shard_reply_key, shard_stream_key
@@ -223,8 +223,9 @@ def test_a_crash_between_the_foreign_push_and_the_ack_gives_one_push(
     stream = shard_stream_key("redbatch", "echo", 0)
     r = client.redis
     r.xgroup_create(stream, "workers", id="0", mkstream=True)
-    entry_id = r.xadd(stream, protocol.entry_fields("req-x", protocol.encode(1, protocol.MSGPACK),
-                                                    reply_to=reply_to)).decode()
+    fields = request_entry.entry_fields("req-x", protocol.encode(1, protocol.MSGPACK),
+                                        reply_to=reply_to)
+    entry_id = r.xadd(stream, fields).decode()
     r.xreadgroup("workers", "dying", {stream: ">"}, count=1)  # it holds the entry
     assert key_slot(reply_to) != key_slot(stream)
     dying = ForeignReplies(r, "redbatch", 60_000, "echo", ReplicaCount(0))

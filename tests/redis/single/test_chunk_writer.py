@@ -11,7 +11,8 @@ import pytest
 import redis
 
 from producer import protocol
-from producer.protocol import ErrorCode, Request
+from producer.protocol import ErrorCode
+from producer.request_entry import Request
 from worker.pipeline.answers import AnswerQueue, error_answer
 from worker.pipeline.chunk_writer import ChunkWriter, Outgoing
 from worker.pipeline.retry import Grace, RedisRetry, ShutdownExpired

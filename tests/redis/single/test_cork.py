@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from producer import Client, protocol
-from producer.protocol import DEFAULT_GROUP, MSGPACK, Request
+from producer.protocol import DEFAULT_GROUP, MSGPACK
+from producer.request_entry import Request
 from worker.app import StartupError, assemble_worker
 from worker.execution.executor import Executor, resolve_device
 from worker.models import create_model

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from producer import Client
-from producer.protocol import MSGPACK, Request
+from producer.protocol import MSGPACK
+from producer.request_entry import Request
 from tests.rigs.workers import loaded_model
 from worker.app import assemble_worker, connect
 from worker.execution.executor import Executor, resolve_device

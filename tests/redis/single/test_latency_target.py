@@ -141,7 +141,8 @@ def test_read_time_answers_are_written_by_the_intake_with_the_ownership_check(
         r: redis.Redis) -> None:
     """A refusal is answered and acked in one script call from the intake's thread, not
     queued behind results for the reply thread; one claimed by another meanwhile is not."""
-    from producer.protocol import ErrorCode, Request
+    from producer.protocol import ErrorCode
+    from producer.request_entry import Request
     from worker.pipeline.answers import AnswerQueue, error_answer
     from worker.pipeline.inflight import InFlight
     from worker.pipeline.reply import ReadTimeAnswers

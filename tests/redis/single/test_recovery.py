@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from producer import Client
 from producer.entry_rules import EntryRules
-from producer.protocol import MSGPACK, decode_envelope, encode, entry_fields, stream_key
+from producer.protocol import MSGPACK, decode_envelope, encode, stream_key
+from producer.request_entry import entry_fields
 from tests.rigs.chaos import pending, request_ids, wait_until
 from tests.rigs.plugin_models import CountingEcho
 from tests.rigs.workers import loaded_model, running_worker

@@ -12,7 +12,8 @@ import redis
 from prometheus_client import REGISTRY
 
 from producer import AsyncClient, Client, Overloaded
-from producer.protocol import dead_letter_key, decode_envelope, entry_fields, stream_key
+from producer.protocol import dead_letter_key, decode_envelope, stream_key
+from producer.request_entry import entry_fields
 from tests.e2e.test_producer_cli import announce
 from worker.commands.dead_letters import run_dead_letters
 from worker.settings import load_settings

@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from producer.protocol import Request
+from producer.request_entry import Request
 from tests.rigs.plugin_models import FixedMemory, PressureModel
 from worker.execution.executor import Executor, is_out_of_memory, resolve_device
 from worker.execution.guarded_runner import BatchRunner, TooLarge

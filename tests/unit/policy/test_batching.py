@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from producer.protocol import MSGPACK, Request
+from producer.protocol import MSGPACK
+from producer.request_entry import Request
 from worker.models.base import Prepared
 from worker.policy.batching import Batch, Batcher, BatchLimits, Pending, bucket_of, take_members
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from producer.protocol import MSGPACK, Request
+from producer.protocol import MSGPACK
+from producer.request_entry import Request
 from worker.models.base import Prepared
 from worker.policy.batching import Batcher, BatchLimits, Pending
 

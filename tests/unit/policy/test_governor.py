@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.protocol import Request
+from producer.request_entry import Request
 from worker.models.base import Prepared
 from worker.policy.batching import Batcher, BatchLimits, Pending
 from worker.policy.governor import Cap, Governor, GovernorPolicy, MemoryReading, kv_cache_budget

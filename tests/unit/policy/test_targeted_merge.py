@@ -3,7 +3,8 @@ when one forward pass costs less than two, but only within its members' slack.""
 
 from __future__ import annotations
 
-from producer.protocol import MSGPACK, Request
+from producer.protocol import MSGPACK
+from producer.request_entry import Request
 from worker.models.base import Prepared
 from worker.policy.batching import Batcher, BatchLimits, Pending
 from worker.policy.latency import LatencyPolicy

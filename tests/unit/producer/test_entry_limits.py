@@ -9,17 +9,18 @@ import time
 import msgpack
 import pytest
 
-from producer import entry_rules, protocol
+from producer import entry_rules, protocol, request_entry
 from producer.entry_rules import EntryRules
-from producer.protocol import JSON, MSGPACK, InvalidEntry
+from producer.protocol import JSON, MSGPACK
+from producer.request_entry import InvalidEntry
 
 LIMIT = 1000
 
 
 def parse(reply_prefixes: tuple[str, ...] = (), default: str | None = None,
-          **fields: bytes) -> protocol.Request:
-    return protocol.parse_entry({k.encode(): v for k, v in fields.items()}, "ns", LIMIT,
-                                reply_prefixes=reply_prefixes, default_reply=default)
+          **fields: bytes) -> request_entry.Request:
+    return request_entry.parse_entry({k.encode(): v for k, v in fields.items()}, "ns", LIMIT,
+                                     reply_prefixes=reply_prefixes, default_reply=default)
 
 
 def refused(**fields: bytes) -> InvalidEntry:
@@ -55,15 +56,15 @@ def test_reply_and_stream_prefixes_and_a_settings_own_are_accepted() -> None:
 
 def test_each_kind_of_answer_goes_under_its_own_prefix() -> None:
     rules = EntryRules("ns", LIMIT)
-    request = protocol.Request("r1", b"", MSGPACK, "ns:stream:s1", default_reply="ns:reply:r1")
-    assert protocol.misdirected(request, streamed=False, rules=rules)  # a list on a stream key
-    assert not protocol.misdirected(request, streamed=True, rules=rules)
-    listed = protocol.Request("r1", b"", MSGPACK, "ns:reply:mine")
-    assert protocol.misdirected(listed, streamed=True, rules=rules)  # a stream on a list key
-    default = protocol.Request("r1", b"", MSGPACK, "ns:reply:r1")
-    assert not protocol.misdirected(default, streamed=True, rules=rules)  # -> ns:stream:r1
-    sharded = protocol.Request("r1", b"", MSGPACK, "ns:reply:{m:2}:r1")
-    assert not protocol.misdirected(sharded, streamed=True, rules=rules)
+    request = request_entry.Request("r1", b"", MSGPACK, "ns:stream:s1", default_reply="ns:reply:r1")
+    assert request_entry.misdirected(request, streamed=False, rules=rules)  # a list on a stream key
+    assert not request_entry.misdirected(request, streamed=True, rules=rules)
+    listed = request_entry.Request("r1", b"", MSGPACK, "ns:reply:mine")
+    assert request_entry.misdirected(listed, streamed=True, rules=rules)  # a stream on a list key
+    default = request_entry.Request("r1", b"", MSGPACK, "ns:reply:r1")
+    assert not request_entry.misdirected(default, streamed=True, rules=rules)  # -> ns:stream:r1
+    sharded = request_entry.Request("r1", b"", MSGPACK, "ns:reply:{m:2}:r1")
+    assert not request_entry.misdirected(sharded, streamed=True, rules=rules)
 
 
 def test_too_many_fields_are_refused_before_any_work() -> None:

@@ -7,14 +7,15 @@ import json
 import msgpack
 import pytest
 
-from producer import protocol
-from producer.protocol import JSON, MAX_ID_BYTES, MSGPACK, InvalidEntry
+from producer import protocol, request_entry
+from producer.protocol import JSON, MAX_ID_BYTES, MSGPACK
+from producer.request_entry import InvalidEntry
 
 LIMIT = 1000
 
 
-def parse(**fields: bytes) -> protocol.Request:
-    return protocol.parse_entry({k.encode(): v for k, v in fields.items()}, "ns", LIMIT)
+def parse(**fields: bytes) -> request_entry.Request:
+    return request_entry.parse_entry({k.encode(): v for k, v in fields.items()}, "ns", LIMIT)
 
 
 def invalid(**fields: bytes) -> InvalidEntry:
@@ -69,22 +70,22 @@ def test_decode_envelope_refuses_other_values() -> None:
 
 
 def test_entry_fields_leave_defaults_out() -> None:
-    assert protocol.entry_fields("r1", b"p") == {"id": "r1", "payload": b"p"}
-    assert protocol.entry_fields("r1", b"p", content_type=JSON, reply_to="k", deadline_ms=5,
-                                 priority=2) == {
+    assert request_entry.entry_fields("r1", b"p") == {"id": "r1", "payload": b"p"}
+    assert request_entry.entry_fields("r1", b"p", content_type=JSON, reply_to="k", deadline_ms=5,
+                                      priority=2) == {
         "id": "r1", "payload": b"p", "content_type": JSON, "reply_to": "k",
         "deadline_ms": 5, "priority": 2}
 
 
 def test_minimal_entry_gets_the_defaults() -> None:
     request = parse(id=b"r1", payload=b"\x80")
-    assert request == protocol.Request("r1", b"\x80", MSGPACK, "ns:reply:r1", None, 0)
+    assert request == request_entry.Request("r1", b"\x80", MSGPACK, "ns:reply:r1", None, 0)
 
 
 def test_all_fields_are_read() -> None:
     request = parse(id=b"r1", payload=b"{}", content_type=JSON.encode(),
                     reply_to=b"ns:reply:mine", deadline_ms=b"1700000000000", priority=b"-3")
-    assert request == protocol.Request("r1", b"{}", JSON, "ns:reply:mine", 1700000000000, -3)
+    assert request == request_entry.Request("r1", b"{}", JSON, "ns:reply:mine", 1700000000000, -3)
 
 
 @pytest.mark.parametrize("fields, reason", [
