@@ -20,6 +20,9 @@ MAX_ENTRY_FIELDS = 16  # the six of the protocol and a few of a producer's own
 ENTRY_OVERHEAD_BYTES = 16384  # what the fields other than `payload` may add up to
 MAX_CONTAINERS = 16384  # arrays and maps in one payload: each costs ~60 bytes decoded
 MAX_CONTAINER_ITEMS = 65536  # items of one msgpack array or map
+# a generative payload's stop strings: the worker checks them, the gateway before enqueueing
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1000  # each; its matcher is built on the generate loop's thread
 
 
 @dataclass(frozen=True, slots=True)

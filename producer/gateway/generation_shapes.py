@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from producer.gateway.errors import invalid, refuse_unsupported
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
@@ -21,8 +22,6 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 MESSAGE_FIELDS = {"role", "content", "name"}
 ROLES = {"system": "system", "developer": "system", "user": "user",
          "assistant": "assistant"}  # OpenAI's newer "developer" is a system message
-MAX_STOP = 4
-MAX_STOP_CHARS = 1000  # each, as the worker allows
 CHAT, TEXT = "chat", "text"
 # The worker's finish_reason -> OpenAI's (stop, length, content_filter, tool_calls): a
 # generation cancelled (its client went, or redbatch:cancel:<id> was set) ended early on
@@ -118,8 +117,8 @@ def parse_stop(value: Any) -> list[str]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise invalid("'stop' must be a non-empty string or a list of them", "stop")
-    if len(stops) > MAX_STOP:
-        raise invalid(f"'stop' holds {len(stops)} strings; at most {MAX_STOP}", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid(f"'stop' holds {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise invalid(f"a 'stop' string has {max(map(len, stops))} characters; at most "
                       f"{MAX_STOP_CHARS}", "stop")

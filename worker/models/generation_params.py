@@ -13,14 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.models.base import InvalidInput
 
 SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
         "{\"role\": <string>, \"content\": <string>})"
-MAX_STOP_STRINGS = 4
 # top_k past any vocabulary keeps every token, as 0 does; capped, it fits the sampler's int64
 TOP_K_CAP = 1 << 31
-MAX_STOP_CHARS = 1000  # each; its matcher is built on the generate loop's thread
 
 
 @dataclass(frozen=True, slots=True)

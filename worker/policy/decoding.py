@@ -264,4 +264,3 @@ class DecodingScheduler:
             seq.preemptions += 1
             if seq not in self.waiting:
                 self.waiting.append(seq)
-
