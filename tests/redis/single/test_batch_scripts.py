@@ -1,0 +1,54 @@
+"""A batch's state scripts on a real Redis: each line answered once, whatever repeats."""
+
+from __future__ import annotations
+
+import redis
+
+from producer.batches import keys, scripts
+
+
+def test_a_line_is_answered_once_and_the_batch_finishes_with_its_files(r: redis.Redis) -> None:
+    batch = keys.new_batch_id()
+    k = keys.BatchKeys("redbatch", batch)
+    r.hset(k.meta, mapping={"id": batch, "owner": "public", "status": "in_progress"})
+    admit, settle, finish = (r.register_script(s) for s in (
+        scripts.ADMIT, scripts.SETTLE, scripts.FINISH))
+    assert admit(keys=[k.meta, k.done, k.flight, k.deferred], args=[3, 0, 0, 1, 0, 2, 0]) == 3
+    r.lpush(k.reply, b"a", b"b")
+    settle_keys = [k.meta, k.done, k.flight, k.deferred, k.parts, k.output, k.errors, k.reply]
+    # line 0 answered twice (a redelivery), line 1 shed (deferred), nothing else
+    args = [1, 2, 0, 1, b'{"ok":0}', 0, 1, b'{"ok":0}', 1, 1, "0", 5, 0, 0]
+    assert settle(keys=settle_keys, args=args) == 1
+    assert r.lrange(k.output, 0, -1) == [b'{"ok":0}'] and r.lrange(k.reply, 0, -1) == [b"b"]
+    assert r.hkeys(k.flight) == [b"2"] and r.zrange(k.deferred, 0, -1) == [b"1"]
+    assert settle(keys=settle_keys, args=[0, 1, 0, 1, b"again", 0, 0, 0]) == 0
+    finish_keys = [k.meta, k.done, k.flight, k.deferred, k.parts, k.output, k.errors,
+                   k.output_meta, k.errors_meta]
+    assert finish(keys=finish_keys, args=["expired", 9, 1, 1, b"e1", 2, b"e2", 0, b"x"]) == 1
+    meta = r.hgetall(k.meta)
+    assert meta[b"status"] == b"expired" and meta[b"failed"] == b"2"
+    assert meta[b"completed"] == b"1" and meta[b"output_file_id"].endswith(b"-output")
+    assert r.lrange(k.errors, 0, -1) == [b"e1", b"e2"]
+    assert r.hget(k.errors_meta, "bytes") == b"6" and not r.exists(k.flight, k.deferred)
+    assert admit(keys=[k.meta, k.done, k.flight, k.deferred], args=[4, 3, 0]) == -1
+
+
+def test_a_lease_is_held_by_one_runner_until_it_lapses(r: redis.Redis) -> None:
+    lease = r.register_script(scripts.LEASE)
+    key = keys.BatchKeys("redbatch", keys.new_batch_id()).lease
+    assert lease(keys=[key], args=["a", 10_000]) == 2
+    assert lease(keys=[key], args=["a", 10_000]) == 1
+    assert lease(keys=[key], args=["b", 10_000]) == 0
+    r.delete(key)
+    assert lease(keys=[key], args=["b", 10_000]) == 2
+
+
+def test_cancel_and_start_move_only_from_their_states(r: redis.Redis) -> None:
+    meta = keys.BatchKeys("redbatch", keys.new_batch_id()).meta
+    r.hset(meta, "status", "validating")
+    start, cancel = r.register_script(scripts.START), r.register_script(scripts.CANCEL)
+    assert start(keys=[meta], args=["in_progress", 5, 10, "", "minilm"]) == 1
+    assert start(keys=[meta], args=["failed", 6, 10, "", "minilm"]) == 0
+    assert cancel(keys=[meta], args=[7]) == b"cancelling"
+    assert cancel(keys=[meta], args=[8]) == b"cancelling"
+    assert r.hget(meta, "cancelling_at") == b"7"
