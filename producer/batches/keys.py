@@ -14,7 +14,6 @@ import secrets
 
 OUTPUT_FILE = re.compile(r"file-(batch_[0-9a-f]{24})-(output|errors)")
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
-BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
 
 
 def new_file_id() -> str:
@@ -34,10 +33,6 @@ def owner_of(api_key: str | None) -> str:
 
 def is_file_id(file_id: str) -> bool:
     return bool(FILE_ID.fullmatch(file_id) or OUTPUT_FILE.fullmatch(file_id))
-
-
-def is_batch_id(batch_id: str) -> bool:
-    return bool(BATCH_ID.fullmatch(batch_id))
 
 
 def output_file_id(batch_id: str, kind: str) -> str:
@@ -77,24 +72,6 @@ def file_keys(namespace: str, file_id: str) -> tuple[str, str]:
             return keys.output_meta, keys.output
         return keys.errors_meta, keys.errors
     return f"{namespace}:file:{{{file_id}}}", f"{namespace}:file:{{{file_id}}}:lines"
-
-
-def files_index(namespace: str, owner: str) -> str:
-    return f"{namespace}:files:{owner}"
-
-
-def batches_index(namespace: str, owner: str) -> str:
-    return f"{namespace}:batches:{owner}"
-
-
-def active_batches(namespace: str) -> str:
-    """Batches not yet in a final state: what the runners look at."""
-    return f"{namespace}:batches:active"
-
-
-def idempotency_key(namespace: str, owner: str, key: str) -> str:
-    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-    return f"{namespace}:batches:idempotency:{owner}:{digest}"
 
 
 def request_id(batch_id: str, line: int, attempt: int, part: int) -> str:

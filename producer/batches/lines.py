@@ -12,10 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from producer.gateway import generation_shapes as gen
-from producer.gateway import openai_shapes, rerank_shapes
+from producer.gateway import jsonio, openai_shapes, rerank_shapes
 from producer.gateway.errors import ApiError, from_worker
 from producer.liveness import Kind
 from producer.protocol import ErrorCode
@@ -26,7 +24,6 @@ MAX_CUSTOM_ID_CHARS = 512
 EXPIRED = ("batch_expired", "This request could not be executed before the completion "
            "window expired.")
 CANCELLED = ("batch_cancelled", "This request was not executed: the batch was cancelled.")
-DELETED = ("input_file_deleted", "The batch's input file was deleted before this line ran.")
 
 
 class LineProblem(Exception):
@@ -50,8 +47,8 @@ def read_line(raw: bytes | str, max_line_bytes: int) -> InputLine:
         raise LineProblem(f"the line is {len(raw)} bytes, above the limit of "
                           f"{max_line_bytes}", "line_too_large")
     try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+        value = jsonio.loads(raw)
+    except jsonio.JSONDecodeError:
         raise LineProblem("the line is not valid JSON", "invalid_json") from None
     if not isinstance(value, dict):
         raise LineProblem("the line must be a JSON object", "invalid_json")
@@ -191,11 +188,3 @@ def output_of(line: InputLine, work: Work, request_id: str,
         return False, answered(line.custom_id, request_id, exc.status, exc.body())
     return True, answered(line.custom_id, request_id, 200, body)
 
-
-def refused(line: InputLine, request_id: str, exc: ApiError) -> dict[str, Any]:
-    """A line whose body the route would refuse: answered 400 without running."""
-    return answered(line.custom_id, request_id, exc.status, exc.body())
-
-
-def jsonl(value: Any) -> bytes:
-    return orjson.dumps(value)
