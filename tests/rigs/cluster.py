@@ -71,9 +71,15 @@ class ClusterRig:
         return True
 
     def replica_of(self, master: RedisNode) -> RedisNode:
-        with master.client() as client:
-            port = int(client.info("replication")["slave0"]["port"])
-        return next(n for n in self.nodes if n.port == port)
+        """The master's replica, waiting for the master to list it (its link may be up on the
+        replica's side a moment before the master's INFO shows it)."""
+        def listed() -> int | None:
+            with master.client() as client:
+                replica = client.info("replication").get("slave0")
+            return int(replica["port"]) if replica else None
+
+        wait_until(lambda: listed() is not None, 15, "the master did not list its replica")
+        return next(n for n in self.nodes if n.port == listed())
 
     def master_of(self, key: str) -> RedisNode:
         with redis.RedisCluster.from_url(self.url()) as client:

@@ -253,21 +253,33 @@ def expected_text(reference: tuple[Any, Any], payload: dict[str, Any]) -> str:
     return engine_text(*reference, payload["prompt"], params)
 
 
-def owners(r: redis.Redis) -> dict[str, int]:
-    info = r.xpending(STREAM, "workers")
-    return {c["name"].decode(): c["pending"] for c in info["consumers"]}
-
-
 def kill_mid_generation(r: redis.Redis, workers: dict[str, WorkerProcess],
                         keys: list[str]) -> tuple[str, int]:
-    """Once a stream has a few chunks, kill -9 the serving worker holding most entries;
-    returns it and how many streams were then unfinished."""
-    wait_until(lambda: max(r.xlen(k) for k in keys) >= 3 and owners(r), 30, "chunks", 0.002)
-    held = owners(r)
-    victim = max((n for n in held if workers[n].process.poll() is None), key=lambda n: held[n])
+    """Once a live worker holds an unfinished stream with a few chunks, kill -9 it (so the
+    kill lands mid-generation of its own streams); returns it and how many streams were then
+    unfinished."""
+    def busy_victim() -> str | None:
+        held = held_streams(r)
+        live = [n for n in held if workers[n].process.poll() is None]
+        started = [n for n in live if any(r.xlen(k) >= 3 and not is_done(r, k) for k in held[n])]
+        return max(started, key=lambda n: len(held[n])) if started else None
+
+    wait_until(lambda: busy_victim() is not None, 30, "a held stream with chunks", 0.002)
+    victim = busy_victim() or next(iter(workers))
     workers[victim].process.kill()
     workers[victim].process.wait(10)
     return victim, sum(not is_done(r, k) for k in keys)
+
+
+def held_streams(r: redis.Redis) -> dict[str, list[str]]:
+    """Each consumer's pending entries, as the reply streams of their requests."""
+    held: dict[str, list[str]] = {}
+    for pending in r.xpending_range(STREAM, "workers", "-", "+", 1000):
+        entry = r.xrange(STREAM, pending["message_id"], pending["message_id"])
+        if entry:
+            held.setdefault(pending["consumer"].decode(), []).append(
+                stream_key(entry[0][1][b"id"].decode()))
+    return held
 
 
 @pytest.mark.slow
