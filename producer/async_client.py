@@ -183,33 +183,37 @@ class AsyncClient(base._Base):
         return request_id
 
     async def submit_many(self, payloads: Sequence[Any], *, reply_to: str | None = None,
-                          deadline_ms: int | None = None, priority: int = 0) -> list[str]:
+                          deadline_ms: int | None = None, priority: int = 0,
+                          request_ids: Sequence[str] | None = None) -> list[str]:
+        """`request_ids`: the requests' ids (a batch job's), else new ones."""
         ids: list[str] = []
         await models.learn_kind_async(self.redis, self.kind, self.namespace, self.model)
         await self._discover()
         if self.cycle is not None:
-            for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority):
+            for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority,
+                                                   request_ids):
                 await self._submit_sharded(chunk_ids, entries, reply_to is None, ids)
                 ids += chunk_ids
             return ids
         if wanted := await self._wanted():
-            for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority):
+            for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority,
+                                                   request_ids):
                 await self._add_replicated(chunk_ids, entries, wanted, ids)
                 ids += chunk_ids
             return ids
         if self.max_backlog is not None:
             for chunk_ids, args in self._limited_chunks(payloads, reply_to, deadline_ms,
-                                                        priority):
+                                                        priority, request_ids):
                 self._accepted(await self._add_if_under(keys=[self.stream_key], args=args), ids)
                 ids += chunk_ids
             return ids
-        for start in range(0, len(payloads), base.PIPELINE_CHUNK):
+        for chunk_ids, entries in self._chunks(payloads, reply_to, deadline_ms, priority,
+                                               request_ids):
             async with self.redis.pipeline(transaction=False) as pipe:
-                for payload in payloads[start:start + base.PIPELINE_CHUNK]:
-                    ids.append(base.new_request_id())
-                    pipe.xadd(self.stream_key, self._fields(payload, ids[-1], reply_to,
-                                                        deadline_ms, priority))
+                for fields in entries:
+                    pipe.xadd(self.stream_key, fields)
                 await pipe.execute()
+            ids += chunk_ids
         return ids
 
     async def wait(self, request_id: str, timeout: float = 30.0, reply_to: str | None = None,

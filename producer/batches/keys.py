@@ -24,6 +24,13 @@ def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
 
 
+def batch_id_for(owner: str, idempotency_key: str) -> str:
+    """The batch id of a create with an Idempotency-Key: the same for a repeat, so the
+    repeat finds the first batch in its own slot."""
+    digest = hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()
+    return f"batch_{digest[:24]}"
+
+
 def owner_of(api_key: str | None) -> str:
     """Whose batches and files these are: a digest of the caller's key (never the key)."""
     if not api_key:
@@ -60,6 +67,21 @@ class BatchKeys:
     def all(self) -> list[str]:
         return [self.meta, self.done, self.flight, self.deferred, self.parts, self.output,
                 self.errors, self.lease, self.reply, self.output_meta, self.errors_meta]
+
+
+def file_index(namespace: str, owner: str) -> str:
+    """A sorted set of an owner's uploaded files, by creation time."""
+    return f"{namespace}:files:{{{owner}}}"
+
+
+def batch_index(namespace: str, owner: str) -> str:
+    """A sorted set of an owner's batches, by creation time."""
+    return f"{namespace}:batches:{{{owner}}}"
+
+
+def active_batches(namespace: str) -> str:
+    """A sorted set of the batches not yet final, for runners to find."""
+    return f"{namespace}:batches:active"
 
 
 def file_keys(namespace: str, file_id: str) -> tuple[str, str]:

@@ -186,5 +186,9 @@ def output_of(line: InputLine, work: Work, request_id: str,
         body = work.shape(request_id, [e.get("result") or {} for e in envelopes])
     except ApiError as exc:
         return False, answered(line.custom_id, request_id, exc.status, exc.body())
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        error = ApiError(500, f"the model's result does not fit {line.url}: "
+                         f"{type(exc).__name__}", "unexpected_result")
+        return False, answered(line.custom_id, request_id, 500, error.body())
     return True, answered(line.custom_id, request_id, 200, body)
 

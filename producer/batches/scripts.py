@@ -20,6 +20,14 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], stamp, ARGV[2], 'total', ARGV[3],
 return 1
 """
 
+CREATE = """
+-- KEYS[1] meta; ARGV field, value pairs. 1: created; 0: a batch with this id exists (the
+-- id of a create with an Idempotency-Key is derived from it, so a repeat finds the first).
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
 CANCEL = """
 -- KEYS[1] meta; ARGV[1] now s. A batch not yet final becomes cancelling; the status after.
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -31,17 +39,18 @@ return status
 """
 
 ADMIT = """
--- KEYS meta, done, flight, deferred; ARGV[1] the new cursor, then (line, attempt) pairs.
+-- KEYS meta, done, flight, deferred; ARGV[1] the new cursor, ARGV[2] when an admitted line
+-- is due again if no answer came (ms: the flight timeout), then (line, attempt) pairs.
 -- Records the lines as in flight (those not answered meanwhile); returns how many.
 local meta, done, flight, deferred = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if redis.call('HGET', meta, 'status') ~= 'in_progress' then return -1 end
 local recorded = 0
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   if redis.call('GETBIT', done, ARGV[i]) == 0 then
     redis.call('HSET', flight, ARGV[i], ARGV[i + 1])
+    redis.call('ZADD', deferred, ARGV[2], ARGV[i])
     recorded = recorded + 1
   end
-  redis.call('ZREM', deferred, ARGV[i])
 end
 if tonumber(ARGV[1]) > tonumber(redis.call('HGET', meta, 'cursor') or '0') then
   redis.call('HSET', meta, 'cursor', ARGV[1])
@@ -53,7 +62,8 @@ SETTLE = """
 -- KEYS meta, done, flight, deferred, parts, output, errors, reply.
 -- ARGV[1] replies handled (dropped from the reply list's old end), then counted groups:
 -- answers (line, ok, output line), retries (line, attempt, due ms), parts kept (request
--- id, envelope), parts dropped (request id). A line is answered once: its done bit.
+-- id, envelope), parts dropped (request id). A line is answered once: its done bit. A line
+-- in flight keeps its attempt in `flight` and, in `deferred`, when it is due again.
 local meta, done, flight, deferred, parts = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local i, settled = 2, 0
 local n = tonumber(ARGV[i]); i = i + 1
@@ -72,7 +82,6 @@ n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   local line, attempt, due = ARGV[i], ARGV[i + 1], ARGV[i + 2]; i = i + 3
   if redis.call('HGET', flight, line) == attempt then
-    redis.call('HDEL', flight, line)
     redis.call('ZADD', deferred, due, line)
   end
 end

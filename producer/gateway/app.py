@@ -1,5 +1,7 @@
 """The routes: POST /v1/embeddings, /v1/chat/completions and /v1/completions (generation.py),
-/v1/rerank (rerank.py), GET /v1/models, /metrics, /healthz (alias /health) and /readyz.
+/v1/rerank (rerank.py), the Files and Batch APIs (files.py, batches.py), GET /v1/models,
+/metrics, /healthz (alias /health) and /readyz. The lifespan runs a batch runner
+(producer/batches/runner.py) unless `batch_runner` is off.
 
 `create_app(settings)` is the composition root: one Redis client per process (built by
 `producer.connection.async_client`, so `redis_url` takes the same forms as everywhere else:
@@ -12,6 +14,7 @@ ports, Redis's own error text) go to the log only.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,7 +28,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from producer.gateway import errors, events, metrics, pools
+from producer.batches import keys as batch_keys
+from producer.batches.runner import Runner, RunnerConfig, holder_name
+from producer.batches.store import BatchStore
+from producer.gateway import batches, errors, events, files, metrics, pools
 from producer.gateway.discovery import Discovery, ModelState
 from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
@@ -62,17 +68,36 @@ class Gateway:
                                    settings.live_worker_idle_s, settings.model_cache_s)
         self.generations = Generations(self.redis, self.dispatcher, settings.namespace,
                                        settings.request_timeout_s)
+        self.batches = BatchStore(self.redis, settings.namespace)
 
-    def authorize(self, request: Request) -> None:
-        """401 unless a configured key is presented as `Authorization: Bearer <key>`."""
+    def authorize(self, request: Request) -> str | None:
+        """401 unless a configured key is presented as `Authorization: Bearer <key>`; the
+        key (None when no keys are configured)."""
         keys = self.settings.api_keys
         if not keys:
-            return
+            return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not any(
                 hmac.compare_digest(key.strip().encode(), k.encode()) for k in keys):
             raise ApiError(401, "missing or invalid API key: send Authorization: Bearer <key>",
                            "invalid_api_key", None, {"WWW-Authenticate": "Bearer"})
+        return key.strip()
+
+    def owner(self, request: Request) -> str:
+        """Whose files and batches the caller sees (authorized first)."""
+        return batch_keys.owner_of(self.authorize(request))
+
+    def runner(self) -> Runner:
+        s = self.settings
+        config = RunnerConfig(s.batch_window, s.batch_max_backlog, s.batch_lease_s,
+                              s.batch_flight_timeout_s, max_lines=s.batch_max_lines,
+                              max_line_bytes=s.max_body_bytes, max_inputs=s.max_inputs)
+        return Runner(self.batches, self.dispatcher.client, self.kind_of, config,
+                      holder_name("gateway"))
+
+    async def kind_of(self, model: str) -> tuple[bool, Kind | None]:
+        info = await self.discovery.info(model)
+        return info.state is not ModelState.UNKNOWN, info.kind
 
     async def json_body(self, request: Request) -> Any:
         """The body as JSON: 415 for another content type, 413 past the limit, 400 if bad."""
@@ -201,7 +226,13 @@ def create_app(settings: GatewaySettings | None = None) -> Any:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> Any:
+        stop = asyncio.Event()
+        running = asyncio.create_task(gateway.runner().run(stop)) \
+            if settings.batch_runner else None
         yield
+        stop.set()
+        if running is not None:
+            await running
         gateway.health.close()
         await gateway.redis.aclose()
         await gateway.probe.aclose()
@@ -213,6 +244,15 @@ def create_app(settings: GatewaySettings | None = None) -> Any:
         Route("/rerank", rerank, methods=["POST"]),  # TEI's path
         Route("/v1/rerank", rerank, methods=["POST"]),  # Cohere's v1, Jina's, vLLM's
         Route("/v2/rerank", rerank, methods=["POST"]),  # Cohere's v2
+        Route("/v1/files", files.create_file, methods=["POST"]),
+        Route("/v1/files", files.list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", files.retrieve_file, methods=["GET"]),
+        Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
+        Route("/v1/batches", batches.create_batch, methods=["POST"]),
+        Route("/v1/batches", batches.list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", batches.retrieve_batch, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

@@ -56,6 +56,18 @@ class GatewaySettings(BaseSettings):
         "seconds to receive a request's whole body once its headers are in; then 408 and"
         " close"))
     processes: int = Field(1, gt=0, description="gateway processes sharing the port")
+    batch_runner: bool = Field(True, description=(
+        "run batch jobs in this gateway (a lease per batch: any number of gateways may)"))
+    batch_window: int = Field(256, gt=0, description="lines of one batch in flight at most")
+    batch_max_backlog: int = Field(64, gt=0, description=(
+        "admit batch lines only while the model's stream holds fewer unacked requests"))
+    batch_lease_s: float = Field(15.0, gt=0, description=(
+        "a batch whose runner has not renewed its lease this long is taken over"))
+    batch_flight_timeout_s: float = Field(900.0, gt=0, description=(
+        "a batch line unanswered this long after it was admitted is admitted again"))
+    batch_max_lines: int = Field(50_000, gt=0, description="most lines of a batch's file")
+    batch_max_file_bytes: int = Field(200 << 20, gt=0, description=(
+        "largest file POST /v1/files takes"))
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
 
     @field_validator("api_keys", mode="before")

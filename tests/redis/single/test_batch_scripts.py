@@ -13,14 +13,17 @@ def test_a_line_is_answered_once_and_the_batch_finishes_with_its_files(r: redis.
     r.hset(k.meta, mapping={"id": batch, "owner": "public", "status": "in_progress"})
     admit, settle, finish = (r.register_script(s) for s in (
         scripts.ADMIT, scripts.SETTLE, scripts.FINISH))
-    assert admit(keys=[k.meta, k.done, k.flight, k.deferred], args=[3, 0, 0, 1, 0, 2, 0]) == 3
+    admit_keys = [k.meta, k.done, k.flight, k.deferred]
+    assert admit(keys=admit_keys, args=[3, 99_999, 0, 0, 1, 0, 2, 0]) == 3
     r.lpush(k.reply, b"a", b"b")
     settle_keys = [k.meta, k.done, k.flight, k.deferred, k.parts, k.output, k.errors, k.reply]
     # line 0 answered twice (a redelivery), line 1 shed (deferred), nothing else
     args = [1, 2, 0, 1, b'{"ok":0}', 0, 1, b'{"ok":0}', 1, 1, "0", 5, 0, 0]
     assert settle(keys=settle_keys, args=args) == 1
     assert r.lrange(k.output, 0, -1) == [b'{"ok":0}'] and r.lrange(k.reply, 0, -1) == [b"b"]
-    assert r.hkeys(k.flight) == [b"2"] and r.zrange(k.deferred, 0, -1) == [b"1"]
+    # a line in flight keeps its attempt and its due time: line 1's is now the retry's
+    assert sorted(r.hkeys(k.flight)) == [b"1", b"2"]
+    assert r.zrange(k.deferred, 0, -1, withscores=True) == [(b"1", 5.0), (b"2", 99_999.0)]
     assert settle(keys=settle_keys, args=[0, 1, 0, 1, b"again", 0, 0, 0]) == 0
     finish_keys = [k.meta, k.done, k.flight, k.deferred, k.parts, k.output, k.errors,
                    k.output_meta, k.errors_meta]
@@ -30,7 +33,7 @@ def test_a_line_is_answered_once_and_the_batch_finishes_with_its_files(r: redis.
     assert meta[b"completed"] == b"1" and meta[b"output_file_id"].endswith(b"-output")
     assert r.lrange(k.errors, 0, -1) == [b"e1", b"e2"]
     assert r.hget(k.errors_meta, "bytes") == b"6" and not r.exists(k.flight, k.deferred)
-    assert admit(keys=[k.meta, k.done, k.flight, k.deferred], args=[4, 3, 0]) == -1
+    assert admit(keys=[k.meta, k.done, k.flight, k.deferred], args=[4, 0, 3, 0]) == -1
 
 
 def test_a_lease_is_held_by_one_runner_until_it_lapses(r: redis.Redis) -> None:
@@ -41,6 +44,14 @@ def test_a_lease_is_held_by_one_runner_until_it_lapses(r: redis.Redis) -> None:
     assert lease(keys=[key], args=["b", 10_000]) == 0
     r.delete(key)
     assert lease(keys=[key], args=["b", 10_000]) == 2
+
+
+def test_create_refuses_a_second_batch_of_the_same_id(r: redis.Redis) -> None:
+    create = r.register_script(scripts.CREATE)
+    meta = keys.BatchKeys("redbatch", keys.batch_id_for("public", "job-1")).meta
+    assert create(keys=[meta], args=["status", "validating"]) == 1
+    assert create(keys=[meta], args=["status", "failed"]) == 0
+    assert r.hget(meta, "status") == b"validating"
 
 
 def test_cancel_and_start_move_only_from_their_states(r: redis.Redis) -> None:

@@ -1,0 +1,24 @@
+"""How many lines of a batch may be in flight: additive increase, multiplicative decrease.
+Pure.
+
+Why: a worker shedding over its latency target refuses batch lines at read time; sending
+the same window again at once would be refused again, round after round. Each round that
+sheds halves the window, each answered line grows it by one (up to the runner's window),
+so a batch settles at what the workers take beside the online load.
+"""
+
+from __future__ import annotations
+
+
+class Pacing:
+    def __init__(self, most: int, least: int = 1) -> None:
+        self.most, self.least = most, least
+        self.window = most
+
+    def settled(self, answered: int, shed: int) -> int:
+        """The window after a round of replies: `answered` lines done, `shed` refused."""
+        if shed:
+            self.window = max(self.least, self.window // 2)
+        else:
+            self.window = min(self.most, self.window + answered)
+        return self.window

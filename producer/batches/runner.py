@@ -1,0 +1,299 @@
+"""The runner: whoever holds a batch's lease validates its file, admits its lines into the
+model's stream in windows, settles the workers' replies into output lines, and finishes it.
+
+Every gateway runs one (in its lifespan), and `python -m producer batches` runs one alone.
+Each batch has one holder at a time (the lease, renewed every step); a holder that dies
+lets the lease lapse and another takes the batch over where the state in Redis says it is:
+lines in flight keep their attempt and a due time, so a line whose request was lost is
+admitted again as a new attempt, and the done bitmap answers each line once whichever
+attempt answers first.
+
+Low priority: lines go in at priority -1 (below every online request, which the workers
+batch first), and only while the model's backlog is under `max_backlog`, so a batch fills
+the device's spare capacity and online traffic never queues behind a window of it. A line
+the workers shed (`overloaded`) is deferred and admitted again later, never failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from producer import protocol
+from producer.async_client import AsyncClient
+from producer.backlog import BACKLOG
+from producer.batches import keys, lines, objects
+from producer.batches.pacing import Pacing
+from producer.batches.settling import Settlement, answered_bit, settle
+from producer.batches.store import READ_WINDOW, BatchStore
+from producer.errors import Overloaded
+from producer.gateway import jsonio
+from producer.gateway.errors import ApiError
+from producer.liveness import Kind
+
+log = structlog.get_logger("redbatch.batches")
+BATCH_PRIORITY = -1  # below every online request (their default is 0)
+KindOf = Callable[[str], Awaitable[tuple[bool, Kind | None]]]  # model -> (known, kind)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    window: int = 256  # lines of one batch in flight at most
+    max_backlog: int = 64  # admit only while the model's stream holds fewer unacked entries
+    lease_s: float = 15.0
+    flight_timeout_s: float = 900.0  # a line admitted this long ago, unanswered, goes again
+    poll_s: float = 0.2
+    max_lines: int = 50_000
+    max_line_bytes: int = 4 << 20
+    max_inputs: int = 2048
+    retry_ms: int = 1000  # a shed line waits this long when the worker named no time
+
+
+class Runner:
+    def __init__(self, store: BatchStore, client: Callable[[str], AsyncClient],
+                 kind_of: KindOf, config: RunnerConfig, holder: str) -> None:
+        self.store, self.client, self.kind_of = store, client, kind_of
+        self.config, self.holder = config, holder
+        self._backlog = store.redis.register_script(BACKLOG)
+        self.rates: dict[str, tuple[float, float | None]] = {}  # batch -> (lines/s, ETA s)
+        self.pacing: dict[str, Pacing] = {}  # batch -> its window (AIMD on shed lines)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Step every batch this runner can hold until `stop`; a failure is logged and the
+        batch tried again next round (its lease lapses if this runner keeps failing)."""
+        while not stop.is_set():
+            try:
+                await self.round()
+            except Exception as exc:  # Redis down, a bug: the runner must outlive it
+                log.warning("batch_runner_failed", error=f"{type(exc).__name__}: {exc}")
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.poll_s)
+            except TimeoutError:
+                pass
+
+    async def round(self) -> None:
+        lease_ms = int(self.config.lease_s * 1000)
+        for batch_id in await self.store.active():
+            try:
+                if await self.store.lease(batch_id, self.holder, lease_ms):
+                    await self.step(batch_id)
+            except Exception as exc:  # one batch's fault must not stall the others
+                log.warning("batch_step_failed", batch=batch_id,
+                            error=f"{type(exc).__name__}: {exc}")
+
+    async def step(self, batch_id: str) -> None:
+        """One move of the batch: validate it, or settle and admit, or finish it."""
+        meta = await self.store.batch_meta(batch_id)
+        status = objects.text(meta, "status")
+        if status is None or status in objects.FINAL:
+            self.forget(batch_id)
+            await self.store.retire(batch_id)
+        elif status == objects.VALIDATING:
+            await self.validate(batch_id, meta)
+        elif status == objects.CANCELLING:
+            await self.close(batch_id, meta, objects.CANCELLED, lines.CANCELLED)
+        elif time.time() >= (objects.integer(meta, "expires_at") or 0):
+            await self.close(batch_id, meta, objects.EXPIRED, lines.EXPIRED)
+        else:
+            await self.advance(batch_id, meta)
+
+    def forget(self, batch_id: str) -> None:
+        self.rates.pop(batch_id, None)
+        self.pacing.pop(batch_id, None)
+
+    async def validate(self, batch_id: str, meta: dict[bytes, bytes]) -> None:
+        """Every line checked before any is queued; a file that fails fails the batch."""
+        cfg, endpoint = self.config, objects.text(meta, "endpoint") or ""
+        checker = lines.Validator(endpoint, cfg.max_lines, cfg.max_line_bytes)
+        file_id = objects.text(meta, "input_file_id") or ""
+        count = objects.integer(await self.store.file_meta(file_id), "lines")
+        if count is None:
+            checker.errors.append(problem("file_not_found", f"the input file {file_id} is "
+                                          "gone", "input_file_id"))
+        for start in range(0, min(count or 0, cfg.max_lines + 1), READ_WINDOW):
+            window = range(start, min(start + READ_WINDOW, count or 0))
+            for number, raw in zip(window, await self.store.read_lines(file_id, window),
+                                   strict=True):
+                checker.feed(number + 1, raw or b"")
+        errors = checker.finish()
+        if not errors and checker.model is not None:
+            errors = await self.model_problems(checker.model, endpoint)
+        status = objects.FAILED if errors else objects.IN_PROGRESS
+        listed = jsonio.dumps({"object": "list", "data": errors}).decode() if errors else ""
+        await self.store.start(batch_id, status, int(time.time()), checker.lines, listed,
+                               checker.model or "")
+        log.info("batch_validated", batch=batch_id, status=status, lines=checker.lines)
+
+    async def model_problems(self, model: str, endpoint: str) -> list[dict[str, Any]]:
+        known, kind = await self.kind_of(model)
+        if not known:
+            return [problem("model_not_found", f"the model {model!r} does not exist",
+                            "body.model")]
+        if kind is not None and kind is not lines.ENDPOINTS[endpoint]:
+            return [problem("invalid_model", f"the model {model!r} is a {kind.value} model, "
+                            f"which {endpoint} does not serve", "body.model")]
+        return []
+
+    async def advance(self, batch_id: str, meta: dict[bytes, bytes]) -> None:
+        """Settle the replies in hand, finish if every line is answered, else admit."""
+        cfg, now_ms = self.config, int(time.time() * 1000)
+        replies, done, flying, due = await self.store.progress(
+            batch_id, cfg.window * 4, now_ms, cfg.window)
+        settled = await self.settle_replies(batch_id, meta, replies, done)
+        answered = (objects.integer(meta, "completed") or 0) + \
+            (objects.integer(meta, "failed") or 0) + settled
+        total = objects.integer(meta, "total") or 0
+        self.rates[batch_id] = objects.rate({**meta, b"completed": str(answered).encode(),
+                                             b"failed": b"0"}, now_ms / 1000)
+        if answered >= total:
+            await self.store.finish(batch_id, objects.COMPLETED, int(now_ms / 1000), True, [])
+            log.info("batch_completed", batch=batch_id, lines=total)
+            return
+        await self.admit(batch_id, meta, flying - len(due), due)
+
+    async def settle_replies(self, batch_id: str, meta: dict[bytes, bytes],
+                             replies: list[bytes], done: bytes) -> int:
+        if not replies:
+            return 0
+        envelopes = [decoded(raw) for raw in replies]
+        wanted = sorted({found[0] for e in envelopes if e and (found := line_of(e))})
+        if not wanted:  # none of this batch's: drop them
+            return await self.save(batch_id, len(replies), Settlement())
+        file_id = objects.text(meta, "input_file_id") or ""
+        raws = dict(zip(wanted, await self.store.read_lines(file_id, wanted), strict=True))
+        created, now_ms = objects.integer(meta, "created_at") or 0, int(time.time() * 1000)
+        result = settle(batch_id, envelopes, raws, done, self.config.max_inputs, created,
+                        now_ms, self.config.retry_ms)
+        if result.needs_parts:  # a line of several requests: the parts seen before
+            stored = await self.store.parts(batch_id, result.needs_parts)
+            result = settle(batch_id, envelopes, raws, done, self.config.max_inputs, created,
+                            now_ms, self.config.retry_ms,
+                            dict(zip(result.needs_parts, stored, strict=True)))
+        pacing = self.pacing.setdefault(batch_id, Pacing(self.config.window))
+        pacing.settled(len(result.answers), len(result.retries))
+        return await self.save(batch_id, len(replies), result)
+
+    async def save(self, batch_id: str, handled: int, result: Settlement) -> int:
+        return await self.store.settle(batch_id, handled, result.answers, result.retries,
+                                       result.kept, result.dropped)
+
+    async def admit(self, batch_id: str, meta: dict[bytes, bytes], flying: int,
+                    due: list[int]) -> None:
+        """The next window: lines due again first, then new ones, as the backlog allows."""
+        cfg = self.config
+        model = objects.text(meta, "model") or ""
+        client = self.client(model)
+        backlog = int(await self._backlog(keys=[client.stream_key],
+                                          args=[client.group, cfg.max_backlog + 1]))
+        window = self.pacing.setdefault(batch_id, Pacing(cfg.window)).window
+        room = min(window - max(flying, 0), cfg.max_backlog - backlog)
+        if room <= 0:
+            return
+        cursor, total = objects.integer(meta, "cursor") or 0, objects.integer(meta, "total") or 0
+        again = due[:room]
+        fresh = list(range(cursor, min(total, cursor + room - len(again))))
+        attempts = [a + 1 for a in await self.store.attempts(batch_id, again)] + [1] * len(fresh)
+        chosen = again + fresh
+        if not chosen:
+            return
+        raws = await self.store.read_lines(objects.text(meta, "input_file_id") or "", chosen)
+        await self.send(batch_id, meta, client, list(zip(chosen, attempts, raws, strict=True)),
+                        cursor + len(fresh))
+
+    async def send(self, batch_id: str, meta: dict[bytes, bytes], client: AsyncClient,
+                   chosen: list[tuple[int, int, bytes | None]], cursor: int) -> None:
+        """Record the lines as in flight, then enqueue their requests; a line whose body
+        the route would refuse is answered at once (its 400), a shed window goes again."""
+        cfg, now_ms = self.config, int(time.time() * 1000)
+        created = objects.integer(meta, "created_at") or 0
+        payloads, ids, refused = [], [], []
+        for line, attempt, raw in chosen:
+            try:
+                work = lines.work_of(lines.read_line(raw or b"", cfg.max_line_bytes),
+                                     cfg.max_inputs, created)
+            except (ApiError, lines.LineProblem) as exc:
+                refused.append((line, False, refusal_line(batch_id, line, attempt, raw, exc)))
+                continue
+            for part, payload in enumerate(work.payloads):
+                payloads.append(payload)
+                ids.append(keys.request_id(batch_id, line, attempt, part))
+        pairs = [(line, attempt) for line, attempt, _ in chosen]
+        if await self.store.admit(batch_id, cursor, now_ms + int(cfg.flight_timeout_s * 1000),
+                                  pairs) < 0:
+            return  # cancelled or finished meanwhile
+        if refused:
+            await self.store.settle(batch_id, 0, refused, [], [], [])
+        deadline_ms = (objects.integer(meta, "expires_at") or 0) * 1000
+        try:
+            await client.submit_many(payloads, reply_to=self.store.keys(batch_id).reply,
+                                     deadline_ms=deadline_ms, priority=BATCH_PRIORITY,
+                                     request_ids=ids)
+        except Overloaded as exc:
+            sent = {keys.parse_request_id(i)[0] for i in exc.submitted  # type: ignore[index]
+                    if keys.parse_request_id(i)}
+            retry = [(line, attempt, now_ms + cfg.retry_ms) for line, attempt in pairs
+                     if line not in sent]
+            await self.store.settle(batch_id, 0, [], retry, [], [])
+
+    async def close(self, batch_id: str, meta: dict[bytes, bytes], status: str,
+                    why: tuple[str, str]) -> None:
+        """Cancelled or expired: every line not answered gets its error line, in windows,
+        then the batch is final with its files (the answered lines kept)."""
+        done = await self.store.done(batch_id)
+        total = objects.integer(meta, "total") or 0
+        file_id = objects.text(meta, "input_file_id") or ""
+        missing = [n for n in range(total) if not answered_bit(done, n)]
+        for start in range(0, len(missing), READ_WINDOW):
+            window = missing[start:start + READ_WINDOW]
+            raws = await self.store.read_lines(file_id, window)
+            rows = [(n, jsonio.dumps(lines.unanswered(custom_id(raw) or "", keys.request_id(
+                batch_id, n, 0, 0), *why))) for n, raw in zip(window, raws, strict=True)]
+            await self.store.finish(batch_id, status, int(time.time()), False, rows)
+        await self.store.finish(batch_id, status, int(time.time()), True, [])
+        self.forget(batch_id)
+        log.info("batch_closed", batch=batch_id, status=status, unanswered=len(missing))
+
+
+def holder_name(role: str) -> str:
+    """A runner's lease holder: unique, and saying which process holds a batch."""
+    return f"{role}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def problem(code: str, message: str, param: str | None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": None}
+
+
+def decoded(raw: bytes) -> dict[str, Any] | None:
+    try:
+        return protocol.decode_envelope(raw)
+    except Exception:  # not an envelope (any producer may write to a reply key)
+        return None
+
+
+def line_of(envelope: dict[str, Any]) -> tuple[int, int, int] | None:
+    return keys.parse_request_id(str(envelope.get("id", "")))
+
+
+def custom_id(raw: bytes | None) -> str | None:
+    try:
+        value = jsonio.loads(raw or b"")
+    except jsonio.JSONDecodeError:
+        return None
+    found = value.get("custom_id") if isinstance(value, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def refusal_line(batch_id: str, line: int, attempt: int, raw: bytes | None,
+                 exc: Exception) -> bytes:
+    """The output line of a line whose body the route refuses: its 400, as online."""
+    error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), "invalid_request")
+    rid = keys.request_id(batch_id, line, attempt, 0)
+    return jsonio.dumps(lines.answered(custom_id(raw) or "", rid, error.status, error.body()))
