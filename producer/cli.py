@@ -38,11 +38,15 @@ WORKER_POLL_S = 0.2
 
 
 USAGE = """python -m producer [options] [input]      send a file's lines, write results
-       python -m producer serve [options]        run the HTTP gateway (serve --help)"""
+       python -m producer serve [options]        run the HTTP gateway (serve --help)
+       python -m producer batch COMMAND ...      batch jobs in Redis (batch --help)
+       python -m producer batches [options]      run batch jobs (a runner alone)"""
 COMMANDS_EPILOG = """commands:
   (none)   send the input's lines as requests, write the results as JSONL (this help)
   serve    the OpenAI-compatible HTTP gateway: /v1/embeddings, /v1/chat/completions, ...
-           (`python -m producer serve --help` lists its flags)"""
+           (`python -m producer serve --help` lists its flags)
+  batch    OpenAI batch jobs without HTTP: create, run, status, cancel, results, list
+  batches  a batch runner alone (every gateway runs one too)"""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -186,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         from producer.gateway.serve import main as serve
 
         return serve(argv[1:])
+    if argv[:1] in (["batch"], ["batches"]):  # batch jobs (producer/batches/)
+        from producer.batches import cli as batch_cli
+
+        return batch_cli.main(argv[1:]) if argv[0] == "batch" else \
+            batch_cli.serve_runner(argv[1:])
     args = build_parser().parse_args(argv)
     args.sources = sources(argv, local_url() is not None)
     if args.window < 1:

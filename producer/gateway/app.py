@@ -218,6 +218,31 @@ async def server_error(request: Request, exc: Exception) -> Response:
                                              "internal_error"))
 
 
+ROUTES = [
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/rerank", rerank, methods=["POST"]),  # TEI's path
+    Route("/v1/rerank", rerank, methods=["POST"]),  # Cohere's v1, Jina's, vLLM's
+    Route("/v2/rerank", rerank, methods=["POST"]),  # Cohere's v2
+    Route("/v1/files", files.create_file, methods=["POST"]),
+    Route("/v1/files", files.list_files, methods=["GET"]),
+    Route("/v1/files/{file_id}", files.retrieve_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
+    Route("/v1/batches", batches.create_batch, methods=["POST"]),
+    Route("/v1/batches", batches.list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", batches.retrieve_batch, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+    Route("/metrics", metrics_endpoint, methods=["GET"]),
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/health", healthz, methods=["GET"]),  # TEI's and vLLM's name for it
+    Route("/readyz", readyz, methods=["GET"]),
+]
+
+
 def create_app(settings: GatewaySettings | None = None) -> Any:
     """The ASGI app (Starlette inside the metrics middleware)."""
     settings = settings or load_gateway_settings()
@@ -237,31 +262,9 @@ def create_app(settings: GatewaySettings | None = None) -> Any:
         await gateway.redis.aclose()
         await gateway.probe.aclose()
 
-    app = Starlette(routes=[
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/rerank", rerank, methods=["POST"]),  # TEI's path
-        Route("/v1/rerank", rerank, methods=["POST"]),  # Cohere's v1, Jina's, vLLM's
-        Route("/v2/rerank", rerank, methods=["POST"]),  # Cohere's v2
-        Route("/v1/files", files.create_file, methods=["POST"]),
-        Route("/v1/files", files.list_files, methods=["GET"]),
-        Route("/v1/files/{file_id}", files.retrieve_file, methods=["GET"]),
-        Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
-        Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
-        Route("/v1/batches", batches.create_batch, methods=["POST"]),
-        Route("/v1/batches", batches.list_batches, methods=["GET"]),
-        Route("/v1/batches/{batch_id}", batches.retrieve_batch, methods=["GET"]),
-        Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/health", healthz, methods=["GET"]),  # TEI's and vLLM's name for it
-        Route("/readyz", readyz, methods=["GET"]),
-    ], exception_handlers={ApiError: api_error, HTTPException: http_error,
-                           RedisError: redis_error, RedisClusterException: redis_error,
-                           Exception: server_error},
+    app = Starlette(routes=ROUTES, exception_handlers={
+        ApiError: api_error, HTTPException: http_error, RedisError: redis_error,
+        RedisClusterException: redis_error, Exception: server_error},
         middleware=[Middleware(events.AccessLog)], lifespan=lifespan)
     app.state.gateway = gateway
     limits = HttpLimits(settings.max_header_bytes, settings.header_timeout_s,

@@ -9,7 +9,6 @@ A caller sees only its own files (the owner is a digest of its API key).
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from producer.batches import keys, objects
+from producer.batches import keys, objects, upload
 from producer.batches.store import READ_WINDOW, BatchStore
 from producer.gateway import errors
 from producer.gateway.errors import ApiError
@@ -49,45 +48,24 @@ async def create_file(request: Request) -> Response:
         raise ApiError(415, "POST /v1/files takes multipart/form-data with 'file' and "
                        "'purpose'", "unsupported_media_type")
     async with request.form() as form:
-        upload, purpose = form.get("file"), form.get("purpose")
+        found, purpose = form.get("file"), form.get("purpose")
         if purpose != "batch":
             raise errors.invalid("'purpose' must be 'batch' (the only files this server "
                                  "keeps)", "purpose")
-        if not isinstance(upload, UploadFile):
+        if not isinstance(found, UploadFile):
             raise errors.invalid("'file' must be a file part", "file")
-        file_id = keys.new_file_id()
-        size, count = await save_upload(gateway.batches, file_id, upload, limit,
-                                        gateway.settings.max_body_bytes)
-    now_ms = int(time.time() * 1000)
-    meta = {"id": file_id, "bytes": size, "created_at": now_ms // 1000, "created_ms": now_ms,
-            "filename": (upload.filename or "input.jsonl")[:256], "purpose": "batch",
-            "owner": owner, "lines": count}
-    await gateway.batches.publish_file(meta)
+        try:
+            meta = await upload.upload(gateway.batches, parts(found),
+                                       found.filename or "input.jsonl", owner, limit,
+                                       gateway.settings.max_body_bytes)
+        except upload.FileTooLarge:
+            raise too_large(limit) from None
     return JSONResponse(objects.file_object(meta))
 
 
-async def save_upload(store: BatchStore, file_id: str, upload: UploadFile, limit: int,
-                      max_line_bytes: int) -> tuple[int, int]:
-    """(bytes, lines) of the upload, its non-blank lines saved a window at a time; a line
-    longer than `max_line_bytes` is kept cut just past it (validation refuses it)."""
-    size, count, pending, window = 0, 0, b"", []
-    while chunk := await upload.read(CHUNK_BYTES):
-        size += len(chunk)
-        if size > limit:
-            await store.drop_file(file_id, "")
-            raise too_large(limit)
-        *complete, pending = (pending + chunk).split(b"\n")
-        pending = pending[:max_line_bytes + 1]
-        window += [line.rstrip(b"\r")[:max_line_bytes + 1] for line in complete
-                   if line.strip()]
-        if len(window) >= READ_WINDOW:
-            await store.save_lines(file_id, count, window)
-            count, window = count + len(window), []
-    if pending.strip():
-        window.append(pending.rstrip(b"\r"))
-    if window:
-        await store.save_lines(file_id, count, window)
-    return size, count + len(window)
+async def parts(found: UploadFile) -> AsyncIterator[bytes]:
+    while chunk := await found.read(CHUNK_BYTES):
+        yield chunk
 
 
 def too_large(limit: int) -> ApiError:
