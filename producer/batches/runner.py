@@ -35,7 +35,7 @@ from producer.batches.pacing import Pacing
 from producer.batches.settling import Settlement, answered_bit, settle
 from producer.batches.store import READ_WINDOW, BatchStore
 from producer.errors import Overloaded
-from producer.gateway import jsonio
+from producer.gateway import jsonio, metrics
 from producer.gateway.errors import ApiError
 from producer.liveness import Kind
 
@@ -106,8 +106,18 @@ class Runner:
             await self.advance(batch_id, meta)
 
     def forget(self, batch_id: str) -> None:
-        self.rates.pop(batch_id, None)
+        if self.rates.pop(batch_id, None) is not None:
+            for gauge in (metrics.BATCH_RATE, metrics.BATCH_ETA):
+                gauge.remove(batch_id)
         self.pacing.pop(batch_id, None)
+        metrics.BATCHES_HELD.set(len(self.rates))
+
+    def measured(self, batch_id: str, rate: tuple[float, float | None]) -> None:
+        """The batch's lines/s and ETA, for /metrics and `python -m worker stats`."""
+        self.rates[batch_id] = rate
+        metrics.BATCH_RATE.labels(batch_id).set(rate[0])
+        metrics.BATCH_ETA.labels(batch_id).set(-1 if rate[1] is None else rate[1])
+        metrics.BATCHES_HELD.set(len(self.rates))
 
     async def validate(self, batch_id: str, meta: dict[bytes, bytes]) -> None:
         """Every line checked before any is queued; a file that fails fails the batch."""
@@ -151,8 +161,8 @@ class Runner:
         answered = (objects.integer(meta, "completed") or 0) + \
             (objects.integer(meta, "failed") or 0) + settled
         total = objects.integer(meta, "total") or 0
-        self.rates[batch_id] = objects.rate({**meta, b"completed": str(answered).encode(),
-                                             b"failed": b"0"}, now_ms / 1000)
+        self.measured(batch_id, objects.rate({**meta, b"completed": str(answered).encode(),
+                                              b"failed": b"0"}, now_ms / 1000))
         if answered >= total:
             await self.store.finish(batch_id, objects.COMPLETED, int(now_ms / 1000), True, [])
             log.info("batch_completed", batch=batch_id, lines=total)
@@ -182,6 +192,8 @@ class Runner:
         return await self.save(batch_id, len(replies), result)
 
     async def save(self, batch_id: str, handled: int, result: Settlement) -> int:
+        for _, ok, _ in result.answers:
+            metrics.BATCH_LINES.labels("completed" if ok else "failed").inc()
         return await self.store.settle(batch_id, handled, result.answers, result.retries,
                                        result.kept, result.dropped)
 

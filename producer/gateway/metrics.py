@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 REGISTRY = CollectorRegistry()
@@ -26,6 +26,18 @@ INPUTS = Counter("redbatch_gateway_inputs", "embedding inputs submitted to the w
 FOREIGN_ENVELOPES = Counter("redbatch_gateway_foreign_envelopes",
                             "replies dropped from the gateway's keys: they answer another id",
                             registry=REGISTRY)
+BATCH_LINES = Counter("redbatch_gateway_batch_lines",
+                      "batch lines this process's runner answered, by outcome", ["outcome"],
+                      registry=REGISTRY)
+BATCHES_HELD = Gauge("redbatch_gateway_batches_running",
+                     "batches in progress whose lease this process's runner holds",
+                     registry=REGISTRY)
+BATCH_RATE = Gauge("redbatch_gateway_batch_lines_per_second",
+                   "a running batch's lines answered per second since it started", ["batch"],
+                   registry=REGISTRY)
+BATCH_ETA = Gauge("redbatch_gateway_batch_eta_seconds",
+                  "a running batch's seconds left at its rate so far", ["batch"],
+                  registry=REGISTRY)
 ROUTES = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/models",
           "/metrics", "/healthz", "/readyz")
 

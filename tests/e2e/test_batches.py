@@ -18,6 +18,7 @@ import redis
 from producer.batches import keys
 from tests.e2e.test_gateway import running_gateway, sdk
 from tests.rigs.chaos import heaviest_on_redis_7_only
+from worker.commands.stats import read_batches, to_json
 
 TEXTS = ["The quick brown fox.", "Redis streams batch requests.", "ünïcode", "a" * 300]
 
@@ -123,6 +124,13 @@ def test_cancel_keeps_the_answered_lines_and_writes_the_rest_cancelled(
         while client.batches.retrieve(batch.id).status != "in_progress":
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        time.sleep(0.5)  # a step of the runner: its rate is measured
+        scraped = httpx.get(f"{base_url}/metrics").text
+        assert f'redbatch_gateway_batch_lines_per_second{{batch="{batch.id}"}}' in scraped
+        assert "redbatch_gateway_batches_running 1.0" in scraped
+        shown = to_json([], read_batches(r, "redbatch"))["batches"]
+        assert [(b["id"], b["status"], b["total"]) for b in shown] == [
+            (batch.id, "in_progress", 5)]
         assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
         done = wait_final(client, batch.id)
         assert done.status == "cancelled" and done.cancelled_at is not None

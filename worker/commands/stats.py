@@ -20,6 +20,8 @@ from rich.live import Live
 from rich.table import Table
 
 from producer import local_redis
+from producer.batches import keys as batch_keys
+from producer.batches import objects as batch_objects
 from producer.connection import ConnectionSettingsError, redacted, sync_client
 from worker.settings import Settings
 from worker.streams.queue_stats import (
@@ -42,6 +44,7 @@ class StatsReader:
         self.group = group
         self.models = models
         self.meters: dict[str, RateMeter] = {}
+        self.batches: list[dict[str, Any]] = []  # the batch jobs, as of the last reading
 
     def read(self) -> list[tuple[StreamStats, float | None]]:
         models = self.models or discover_models(self.client, self.namespace)
@@ -52,10 +55,41 @@ class StatsReader:
             meter = self.meters.setdefault(model, RateMeter())
             meter.add(now, stats.answered)
             rows.append((stats, meter.rate()))
+        self.batches = read_batches(self.client, self.namespace)
         return rows
 
 
 TABLE_BOX = box.SIMPLE_HEAD  # no column rules, so that the tables fit 80 columns
+
+
+def read_batches(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
+    """The batch jobs not yet final: counts, lines/s since they started and the ETA."""
+    ids: list[Any] = list(client.zrange(batch_keys.active_batches(namespace), 0, -1))
+    pipe = client.pipeline(transaction=False)
+    for batch_id in ids:
+        pipe.hgetall(batch_keys.BatchKeys(namespace, batch_id.decode()).meta)
+    rows, now = [], time.time()
+    for meta in pipe.execute() if ids else []:
+        if not meta:
+            continue
+        found = batch_objects.batch_object(meta)
+        per_s, eta = batch_objects.rate(meta, now)
+        rows.append({"id": found["id"], "model": found["model"], "status": found["status"],
+                     **found["request_counts"], "lines_per_s": per_s, "eta_seconds": eta})
+    return rows
+
+
+def batch_table(batches: list[dict[str, Any]]) -> Table:
+    table = Table(title="batch jobs", title_justify="left", box=TABLE_BOX)
+    table.add_column("batch", no_wrap=True)
+    for column in ("model", "status", "done", "failed", "total", "lines/s", "eta"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in batches:
+        eta = "—" if row["eta_seconds"] is None else format_duration(row["eta_seconds"])
+        table.add_row(row["id"], row["model"] or "—", row["status"], str(row["completed"]),
+                      str(row["failed"]), str(row["total"]), f"{row['lines_per_s']:.1f}", eta)
+    return table
+
 
 
 def format_duration(seconds: float) -> str:
@@ -87,7 +121,8 @@ def describe_latency(latency: dict[str, float] | None) -> str:
             f"margin {latency['margin_ms']:.0f} ms")
 
 
-def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
+def render(rows: list[tuple[StreamStats, float | None]], group: str,
+           batches: list[dict[str, Any]] | None = None) -> Group:
     models = Table(title=f"redbatch queues (group '{group}')", title_justify="left",
                    box=TABLE_BOX)
     models.add_column("model", no_wrap=True)
@@ -114,9 +149,12 @@ def render(rows: list[tuple[StreamStats, float | None]], group: str) -> Group:
                               describe_latency(consumer.latency))
     if not rows:
         models.caption = "no request streams yet"
+    tables = [models, consumers]
     if any(stats.shards for stats, _ in rows):
-        return Group(models, consumers, shard_table(rows))
-    return Group(models, consumers)
+        tables.append(shard_table(rows))
+    if batches:
+        tables.append(batch_table(batches))
+    return Group(*tables)
 
 
 def shard_table(rows: list[tuple[StreamStats, float | None]]) -> Table:
@@ -134,13 +172,15 @@ def shard_table(rows: list[tuple[StreamStats, float | None]]) -> Table:
     return table
 
 
-def to_json(rows: list[tuple[StreamStats, float | None]]) -> dict[str, Any]:
+def to_json(rows: list[tuple[StreamStats, float | None]],
+            batches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     def model(stats: StreamStats, rate: float | None) -> dict[str, Any]:
         drain = None if rate is None else drain_seconds(stats.backlog, rate)
         return {**stats.to_dict(), "throughput_per_s": rate,
                 "drain_seconds": None if drain is None or math.isinf(drain) else drain}
 
-    return {"time": time.time(), "models": [model(stats, rate) for stats, rate in rows]}
+    return {"time": time.time(), "models": [model(stats, rate) for stats, rate in rows],
+            "batches": batches or []}
 
 
 def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
@@ -163,17 +203,18 @@ def run_stats(settings: Settings, models: list[str] | None, watch: float | None,
         warn_of_absent(client, settings.namespace, models)
         if watch is None:
             sleep(interval)
-            show(console, reader.read(), settings.group, as_json)
+            show(console, reader.read(), settings.group, as_json, reader.batches)
             return 0
         if as_json:
             while True:
                 sleep(watch)
-                show(console, reader.read(), settings.group, as_json=True)
-        with Live(render(reader.read(), settings.group), console=console,
+                show(console, reader.read(), settings.group, True, reader.batches)
+        with Live(render(reader.read(), settings.group, reader.batches), console=console,
                   auto_refresh=False) as live:
             while True:
                 sleep(watch)
-                live.update(render(reader.read(), settings.group), refresh=True)
+                live.update(render(reader.read(), settings.group, reader.batches),
+                            refresh=True)
     except redis.RedisError as exc:
         print(f"redbatch: cannot read stats from {redacted(url)}: {exc}",
               file=sys.stderr)
@@ -195,12 +236,12 @@ def stats_url(settings: Settings) -> str | None:
 
 
 def show(console: Console, rows: list[tuple[StreamStats, float | None]], group: str,
-         as_json: bool) -> None:
+         as_json: bool, batches: list[dict[str, Any]] | None = None) -> None:
     """JSON: one line per reading, so `--watch --json` is a JSONL stream."""
     if as_json:
-        print(json.dumps(to_json(rows)), flush=True)
+        print(json.dumps(to_json(rows, batches)), flush=True)
     else:
-        console.print(render(rows, group))
+        console.print(render(rows, group, batches))
 
 
 def warn_of_absent(client: redis.Redis, namespace: str, models: list[str] | None) -> None:
