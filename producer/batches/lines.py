@@ -192,3 +192,18 @@ def output_of(line: InputLine, work: Work, request_id: str,
         return False, answered(line.custom_id, request_id, 500, error.body())
     return True, answered(line.custom_id, request_id, 200, body)
 
+
+def custom_id(raw: bytes | None) -> str | None:
+    """A stored line's custom_id, if it has one (for the error line of a line never run)."""
+    try:
+        value = jsonio.loads(raw or b"")
+    except jsonio.JSONDecodeError:
+        return None
+    found = value.get("custom_id") if isinstance(value, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def refusal_line(request_id: str, raw: bytes | None, exc: Exception) -> bytes:
+    """The output line of a line whose body the route refuses: its 400, as online."""
+    error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), "invalid_request")
+    return jsonio.dumps(answered(custom_id(raw) or "", request_id, error.status, error.body()))

@@ -22,3 +22,15 @@ class Pacing:
         else:
             self.window = min(self.most, self.window + answered)
         return self.window
+
+
+def backlog_room(max_backlog: int, busy_backlog: int, backlog: int, queued: int) -> int:
+    """How many more lines the model's stream may take, holding `backlog` unacked entries
+    of which `queued` are this batch's. While online requests wait beside them, the batch
+    keeps at most `busy_backlog` there, so the next batch the workers form holds only a few
+    of its lines and online calls wait behind no long one; otherwise the whole backlog may
+    be the batch's, up to `max_backlog`."""
+    online = backlog - min(max(queued, 0), backlog)
+    if online > 0:
+        return min(busy_backlog - queued, max_backlog - backlog)
+    return max_backlog - backlog

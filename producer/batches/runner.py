@@ -9,9 +9,10 @@ admitted again as a new attempt, and the done bitmap answers each line once whic
 attempt answers first.
 
 Low priority: lines go in at priority -1 (below every online request, which the workers
-batch first), and only while the model's backlog is under `max_backlog`, so a batch fills
-the device's spare capacity and online traffic never queues behind a window of it. A line
-the workers shed (`overloaded`) is deferred and admitted again later, never failed.
+batch first), and only while the model's backlog is under `max_backlog`, or `busy_backlog`
+while online requests are queued, so a batch fills the device's spare capacity and online
+traffic never queues behind a window of it. A line the workers shed (`overloaded`) is
+deferred and admitted again later, never failed.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from typing import Any
 
 import structlog
 
-from producer import protocol
 from producer.async_client import AsyncClient
 from producer.backlog import BACKLOG
 from producer.batches import keys, lines, objects
-from producer.batches.pacing import Pacing
-from producer.batches.settling import Settlement, answered_bit, settle
+from producer.batches.pacing import Pacing, backlog_room
+from producer.batches.settling import Settlement, answered_bit, envelopes_of, settle
 from producer.batches.store import READ_WINDOW, BatchStore
 from producer.errors import Overloaded
 from producer.gateway import jsonio, metrics
@@ -48,6 +48,7 @@ KindOf = Callable[[str], Awaitable[tuple[bool, Kind | None]]]  # model -> (known
 class RunnerConfig:
     window: int = 256  # lines of one batch in flight at most
     max_backlog: int = 64  # admit only while the model's stream holds fewer unacked entries
+    busy_backlog: int = 2  # the batch's own lines queued, while online requests are queued too
     lease_s: float = 15.0
     flight_timeout_s: float = 900.0  # a line admitted this long ago, unanswered, goes again
     poll_s: float = 0.2
@@ -155,7 +156,7 @@ class Runner:
     async def advance(self, batch_id: str, meta: dict[bytes, bytes]) -> None:
         """Settle the replies in hand, finish if every line is answered, else admit."""
         cfg, now_ms = self.config, int(time.time() * 1000)
-        replies, done, flying, due = await self.store.progress(
+        replies, done, flying, due, waiting = await self.store.progress(
             batch_id, cfg.window * 4, now_ms, cfg.window)
         settled = await self.settle_replies(batch_id, meta, replies, done)
         answered = (objects.integer(meta, "completed") or 0) + \
@@ -167,14 +168,15 @@ class Runner:
             await self.store.finish(batch_id, objects.COMPLETED, int(now_ms / 1000), True, [])
             log.info("batch_completed", batch=batch_id, lines=total)
             return
-        await self.admit(batch_id, meta, flying - len(due), due)
+        # in the model's stream or being computed: in flight, no reply yet, not due again
+        queued = flying - waiting - len(due)
+        await self.admit(batch_id, meta, flying - len(due), due, queued)
 
     async def settle_replies(self, batch_id: str, meta: dict[bytes, bytes],
                              replies: list[bytes], done: bytes) -> int:
         if not replies:
             return 0
-        envelopes = [decoded(raw) for raw in replies]
-        wanted = sorted({found[0] for e in envelopes if e and (found := line_of(e))})
+        envelopes, wanted = envelopes_of(replies)
         if not wanted:  # none of this batch's: drop them
             return await self.save(batch_id, len(replies), Settlement())
         file_id = objects.text(meta, "input_file_id") or ""
@@ -198,7 +200,7 @@ class Runner:
                                        result.kept, result.dropped)
 
     async def admit(self, batch_id: str, meta: dict[bytes, bytes], flying: int,
-                    due: list[int]) -> None:
+                    due: list[int], queued: int) -> None:
         """The next window: lines due again first, then new ones, as the backlog allows."""
         cfg = self.config
         model = objects.text(meta, "model") or ""
@@ -206,7 +208,8 @@ class Runner:
         backlog = int(await self._backlog(keys=[client.stream_key],
                                           args=[client.group, cfg.max_backlog + 1]))
         window = self.pacing.setdefault(batch_id, Pacing(cfg.window)).window
-        room = min(window - max(flying, 0), cfg.max_backlog - backlog)
+        room = min(window - max(flying, 0),
+                   backlog_room(cfg.max_backlog, cfg.busy_backlog, backlog, queued))
         if room <= 0:
             return
         cursor, total = objects.integer(meta, "cursor") or 0, objects.integer(meta, "total") or 0
@@ -232,7 +235,8 @@ class Runner:
                 work = lines.work_of(lines.read_line(raw or b"", cfg.max_line_bytes),
                                      cfg.max_inputs, created)
             except (ApiError, lines.LineProblem) as exc:
-                refused.append((line, False, refusal_line(batch_id, line, attempt, raw, exc)))
+                rid = keys.request_id(batch_id, line, attempt, 0)
+                refused.append((line, False, lines.refusal_line(rid, raw, exc)))
                 continue
             for part, payload in enumerate(work.payloads):
                 payloads.append(payload)
@@ -266,8 +270,9 @@ class Runner:
         for start in range(0, len(missing), READ_WINDOW):
             window = missing[start:start + READ_WINDOW]
             raws = await self.store.read_lines(file_id, window)
-            rows = [(n, jsonio.dumps(lines.unanswered(custom_id(raw) or "", keys.request_id(
-                batch_id, n, 0, 0), *why))) for n, raw in zip(window, raws, strict=True)]
+            rows = [(n, jsonio.dumps(lines.unanswered(
+                lines.custom_id(raw) or "", keys.request_id(batch_id, n, 0, 0), *why)))
+                for n, raw in zip(window, raws, strict=True)]
             await self.store.finish(batch_id, status, int(time.time()), False, rows)
         await self.store.finish(batch_id, status, int(time.time()), True, [])
         self.forget(batch_id)
@@ -281,31 +286,3 @@ def holder_name(role: str) -> str:
 
 def problem(code: str, message: str, param: str | None) -> dict[str, Any]:
     return {"code": code, "message": message, "param": param, "line": None}
-
-
-def decoded(raw: bytes) -> dict[str, Any] | None:
-    try:
-        return protocol.decode_envelope(raw)
-    except Exception:  # not an envelope (any producer may write to a reply key)
-        return None
-
-
-def line_of(envelope: dict[str, Any]) -> tuple[int, int, int] | None:
-    return keys.parse_request_id(str(envelope.get("id", "")))
-
-
-def custom_id(raw: bytes | None) -> str | None:
-    try:
-        value = jsonio.loads(raw or b"")
-    except jsonio.JSONDecodeError:
-        return None
-    found = value.get("custom_id") if isinstance(value, dict) else None
-    return found if isinstance(found, str) else None
-
-
-def refusal_line(batch_id: str, line: int, attempt: int, raw: bytes | None,
-                 exc: Exception) -> bytes:
-    """The output line of a line whose body the route refuses: its 400, as online."""
-    error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), "invalid_request")
-    rid = keys.request_id(batch_id, line, attempt, 0)
-    return jsonio.dumps(lines.answered(custom_id(raw) or "", rid, error.status, error.body()))

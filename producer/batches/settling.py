@@ -87,3 +87,19 @@ def conclude(result: Settlement, parsed: lines.InputLine, work: lines.Work, rid:
         return
     ok, out = lines.output_of(parsed, work, rid, envelopes)
     result.answers.append((line, ok, jsonio.dumps(out)))
+
+
+def envelopes_of(replies: Sequence[bytes]) -> tuple[list[dict[str, Any] | None], list[int]]:
+    """The replies decoded (None for what is no envelope: any producer may write to a reply
+    key), and the lines of this batch they answer, whose input lines settling reads."""
+    envelopes = [decoded(raw) for raw in replies]
+    wanted = sorted({found[0] for e in envelopes
+                     if e and (found := keys.parse_request_id(str(e.get("id", ""))))})
+    return envelopes, wanted
+
+
+def decoded(raw: bytes) -> dict[str, Any] | None:
+    try:
+        return protocol.decode_envelope(raw)
+    except Exception:  # not an envelope
+        return None

@@ -132,17 +132,19 @@ class BatchStore:
                           args=[status, now_s, total, errors, model])
 
     async def progress(self, batch_id: str, replies: int, now_ms: int, due: int
-                       ) -> tuple[list[bytes], bytes, int, list[int]]:
+                       ) -> tuple[list[bytes], bytes, int, list[int], int]:
         """(the oldest `replies` replies, the done bitmap, lines in flight, up to `due`
-        lines due again now), in one round trip."""
+        lines due again now, replies waiting in all), in one round trip."""
         k = self.keys(batch_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.lrange(k.reply, -replies, -1)
             pipe.get(k.done)
             pipe.hlen(k.flight)
             pipe.zrangebyscore(k.deferred, "-inf", now_ms, start=0, num=due)
-            popped, done, flying, due_lines = await pipe.execute()
-        return list(reversed(popped)), done or b"", int(flying), [int(n) for n in due_lines]
+            pipe.llen(k.reply)
+            popped, done, flying, due_lines, waiting = await pipe.execute()
+        return (list(reversed(popped)), done or b"", int(flying), [int(n) for n in due_lines],
+                int(waiting))
 
     async def done(self, batch_id: str) -> bytes:
         """The bitmap of the lines answered."""

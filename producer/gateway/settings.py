@@ -61,6 +61,8 @@ class GatewaySettings(BaseSettings):
     batch_window: int = Field(256, gt=0, description="lines of one batch in flight at most")
     batch_max_backlog: int = Field(64, gt=0, description=(
         "admit batch lines only while the model's stream holds fewer unacked requests"))
+    batch_busy_backlog: int = Field(2, gt=0, description=(
+        "most batch lines queued while online requests are queued too"))
     batch_lease_s: float = Field(15.0, gt=0, description=(
         "a batch whose runner has not renewed its lease this long is taken over"))
     batch_flight_timeout_s: float = Field(900.0, gt=0, description=(

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from producer.batches import keys, lines
+from producer.batches.pacing import backlog_room
 from producer.batches.settling import answered_bit, settle
 
 BATCH = "batch_" + "a" * 24
@@ -79,3 +80,11 @@ def test_the_window_halves_on_shedding_and_grows_with_answers() -> None:
     for _ in range(10):
         pacing.settled(0, 1)
     assert pacing.window == 1 and pacing.settled(100, 0) == 64
+
+
+def test_the_backlog_room_shrinks_to_the_busy_backlog_while_online_requests_wait() -> None:
+    assert backlog_room(64, 2, 0, 0) == 64  # nothing queued: the whole backlog
+    assert backlog_room(64, 2, 10, 10) == 54  # only the batch's own lines queued
+    assert backlog_room(64, 2, 5, 1) == 1  # online requests wait: at most 2 of the batch's
+    assert backlog_room(64, 2, 5, 3) == -1  # already over: admit none
+    assert backlog_room(64, 2, 70, 0) == -6  # the backlog is full anyway

@@ -1,0 +1,1 @@
+"""Batch jobs: the Batch API against python -m producer (run.py)."""

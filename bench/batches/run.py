@@ -1,0 +1,217 @@
+"""`python -m bench.batches`: a batch job through the Batch API against the same lines
+through `python -m producer`, on one Redis and one worker process, in one run.
+
+Two figures:
+
+- overhead: N embeddings lines (docstring paragraphs of the stdlib), each path in turn
+  (`--repeats`, the order alternating): lines/s from submission to the last result (the
+  batch path: from POST /v1/batches to `completed`, the upload timed apart), and the peak
+  RSS of the gateway, the worker and the producer (sampled every 0.1 s). The ratio is the
+  median of the repeats' batch / producer rates.
+- latency beside a batch: single-text online calls to /v1/embeddings at Poisson times, at
+  half the rate the producer path sustained, for `--online-s` seconds, alone and then with
+  a batch of N lines running; the p99 of each and the lines the batch did meanwhile.
+
+Writes bench/results/batches/<machine>.json (with `--out`) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from bench.common.corpus import build_corpus
+from bench.common.load import poisson_offsets
+from bench.common.machine import describe_machine
+from bench.common.processes import REPO_ROOT, Workers
+from bench.common.stats import median, percentile
+from bench.gateway.compare import start_gateway
+from worker.streams.server import RedisServer
+
+
+class PeakRss:
+    """The largest RSS of some processes (and their children), sampled in a thread."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids, self.peak = pids, dict.fromkeys(pids, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.1):
+            for name, pid in self.pids.items():
+                try:
+                    root = psutil.Process(pid)
+                    rss = sum(p.memory_info().rss for p in [root, *root.children(True)])
+                except psutil.Error:
+                    continue
+                self.peak[name] = max(self.peak[name], rss)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mib(self) -> dict[str, float]:
+        return {name: round(rss / 2**20, 1) for name, rss in self.peak.items()}
+
+
+def batch_lines(texts: list[str]) -> bytes:
+    return b"".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/embeddings",
+                                "body": {"model": "minilm", "input": t}}).encode() + b"\n"
+                    for i, t in enumerate(texts))
+
+
+def via_producer(redis_url: str, texts: list[str], tmp: Path, pids: dict[str, int]
+                 ) -> dict[str, Any]:
+    source, out = tmp / "producer-in.jsonl", tmp / "producer-out.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "producer", "--no-progress", "--redis-url",
+                                redis_url, "--model", "minilm", str(source), "-o", str(out)],
+                               cwd=REPO_ROOT, stderr=subprocess.DEVNULL)
+    with PeakRss({**pids, "producer": process.pid}) as rss:
+        assert process.wait() == 0, "python -m producer failed"
+    seconds = time.perf_counter() - started
+    assert len(out.read_text().splitlines()) == len(texts)
+    return {"lines_per_s": len(texts) / seconds, "seconds": seconds, "peak_rss_mib": rss.mib()}
+
+
+def via_batch_api(base_url: str, texts: list[str], pids: dict[str, int]) -> dict[str, Any]:
+    with PeakRss(pids) as rss:
+        up = time.perf_counter()
+        file_id = httpx.post(f"{base_url}/v1/files", data={"purpose": "batch"}, timeout=300,
+                             files={"file": ("in.jsonl", io.BytesIO(batch_lines(texts)))}
+                             ).json()["id"]
+        started = time.perf_counter()
+        batch = httpx.post(f"{base_url}/v1/batches", json={
+            "input_file_id": file_id, "endpoint": "/v1/embeddings",
+            "completion_window": "24h"}).json()
+        while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+            time.sleep(0.05)
+            batch = httpx.get(f"{base_url}/v1/batches/{batch['id']}").json()
+        seconds = time.perf_counter() - started
+    assert batch["request_counts"]["completed"] == len(texts), batch
+    return {"lines_per_s": len(texts) / seconds, "seconds": seconds,
+            "upload_s": started - up, "peak_rss_mib": rss.mib(), "batch": batch["id"]}
+
+
+async def online(base_url: str, texts: list[str], rate: float, seconds: float
+                 ) -> dict[str, Any]:
+    """Single-text calls at Poisson times; their latencies' p50/p99 and any failures."""
+    latencies: list[float] = []
+    failed = 0
+    async with httpx.AsyncClient(base_url=base_url, timeout=60,
+                                 limits=httpx.Limits(max_connections=256)) as client:
+        async def call(index: int) -> None:
+            nonlocal failed
+            begun = time.perf_counter()
+            answer = await client.post("/v1/embeddings", json={
+                "model": "minilm", "input": texts[index % len(texts)]})
+            if answer.status_code != 200:
+                failed += 1
+                return
+            latencies.append(time.perf_counter() - begun)
+
+        start, tasks = time.perf_counter(), []
+        for index, offset in enumerate(poisson_offsets(rate, seconds, seed=1)):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(call(index)))
+        await asyncio.gather(*tasks)
+    return {"calls": len(tasks), "failed": failed, "p50_ms": percentile(latencies, 50) * 1000,
+            "p99_ms": percentile(latencies, 99) * 1000}
+
+
+def latency_beside_a_batch(base_url: str, texts: list[str], rate: float, seconds: float
+                           ) -> dict[str, Any]:
+    alone = asyncio.run(online(base_url, texts, rate, seconds))
+    file_id = httpx.post(f"{base_url}/v1/files", data={"purpose": "batch"}, timeout=300,
+                         files={"file": ("in.jsonl", io.BytesIO(batch_lines(texts)))}
+                         ).json()["id"]
+    batch_id = httpx.post(f"{base_url}/v1/batches", json={
+        "input_file_id": file_id, "endpoint": "/v1/embeddings",
+        "completion_window": "24h"}).json()["id"]
+    beside = asyncio.run(online(base_url, texts, rate, seconds))
+    batch = httpx.get(f"{base_url}/v1/batches/{batch_id}").json()
+    httpx.post(f"{base_url}/v1/batches/{batch_id}/cancel")
+    done = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
+    return {"online_rate_per_s": rate, "alone": alone, "beside_batch": beside,
+            "p99_ratio": beside["p99_ms"] / alone["p99_ms"] if alone["p99_ms"] else None,
+            "batch_lines_done_meanwhile": done, "batch_lines_per_s": done / seconds}
+
+
+@contextmanager
+def stack(tmp: Path) -> Iterator[tuple[str, str, dict[str, int]]]:
+    """An embedded Redis, one minilm worker process and a gateway."""
+    server = RedisServer(tmp / "redis", appendonly=False).start()
+    try:
+        with Workers(server.url, "redbatch", 1, tmp, model="minilm") as workers:
+            workers.wait_until_reading()
+            gateway, base_url = start_gateway(server.url, 1, tmp / "gateway.log")
+            try:
+                yield server.url, base_url, {"gateway": gateway.pid,
+                                             "worker": workers.processes[0].pid}
+            finally:
+                gateway.terminate()
+                gateway.wait(30)
+    finally:
+        server.stop()
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    texts = build_corpus(args.lines).texts
+    texts = (texts * (args.lines // max(len(texts), 1) + 1))[:args.lines]
+    runs: dict[str, list[dict[str, Any]]] = {"producer": [], "batch_api": []}
+    with stack(tmp) as (redis_url, base_url, pids):
+        for repeat in range(args.repeats):
+            order = ("producer", "batch_api") if repeat % 2 == 0 else ("batch_api", "producer")
+            for path in order:
+                runs[path].append(via_producer(redis_url, texts, tmp, pids) if path == "producer"
+                                  else via_batch_api(base_url, texts, pids))
+        ratios = [b["lines_per_s"] / p["lines_per_s"]
+                  for b, p in zip(runs["batch_api"], runs["producer"], strict=True)]
+        rate = median([r["lines_per_s"] for r in runs["producer"]]) * args.load
+        latency = latency_beside_a_batch(base_url, texts, rate, args.online_s)
+    return {"machine": describe_machine(), "lines": args.lines, "runs": runs,
+            "median_lines_per_s": {p: median([r["lines_per_s"] for r in rs])
+                                   for p, rs in runs.items()},
+            "batch_over_producer": median(ratios), "ratios": ratios, "latency": latency,
+            "command": " ".join(["python -m bench.batches", *sys.argv[1:]])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.batches", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lines", type=int, default=50_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--online-s", type=float, default=20.0)
+    parser.add_argument("--load", type=float, default=0.5, help="online rate / capacity")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = measure(args, Path(tmp))
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
