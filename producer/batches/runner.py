@@ -41,6 +41,7 @@ from producer.liveness import Kind
 
 log = structlog.get_logger("redbatch.batches")
 BATCH_PRIORITY = -1  # below every online request (their default is 0)
+STALE_MS = 60_000  # an active id with no batch this long after it was listed: a lost create
 KindOf = Callable[[str], Awaitable[tuple[bool, Kind | None]]]  # model -> (known, kind)
 
 
@@ -82,18 +83,20 @@ class Runner:
 
     async def round(self) -> None:
         lease_ms = int(self.config.lease_s * 1000)
-        for batch_id in await self.store.active():
+        for batch_id, listed_ms in await self.store.active():
             try:
                 if await self.store.lease(batch_id, self.holder, lease_ms):
-                    await self.step(batch_id)
+                    await self.step(batch_id, listed_ms)
             except Exception as exc:  # one batch's fault must not stall the others
                 log.warning("batch_step_failed", batch=batch_id,
                             error=f"{type(exc).__name__}: {exc}")
 
-    async def step(self, batch_id: str) -> None:
+    async def step(self, batch_id: str, listed_ms: int = 0) -> None:
         """One move of the batch: validate it, or settle and admit, or finish it."""
         meta = await self.store.batch_meta(batch_id)
         status = objects.text(meta, "status")
+        if status is None and time.time() * 1000 - listed_ms < STALE_MS:
+            return  # listed, its hash not written yet: a create under way
         if status is None or status in objects.FINAL:
             self.forget(batch_id)
             await self.store.retire(batch_id)

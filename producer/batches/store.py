@@ -93,17 +93,18 @@ class BatchStore:
     # --- batches ---------------------------------------------------------------------------
 
     async def create(self, meta: dict[str, Any]) -> bool:
-        """The batch (False: one with its id exists, an Idempotency-Key's repeat), then its
-        place in the owner's list and the active set."""
-        batch_id = meta["id"]
+        """The batch (False: one with its id exists, an Idempotency-Key's repeat) between
+        its place in the active set and in the owner's list: a crash before the batch leaves
+        an active id that runners drop (stale_ms), one after it a batch not listed, never a
+        batch no runner finds."""
+        batch_id, created_ms = meta["id"], meta["created_ms"]
+        await self.redis.zadd(keys.active_batches(self.namespace), {batch_id: created_ms},
+                              nx=True)
         fields = [part for pair in meta.items() for part in pair]
         created = bool(await self._create(keys=[self.keys(batch_id).meta], args=fields))
         if created:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(keys.batch_index(self.namespace, meta["owner"]),
-                          {batch_id: meta["created_ms"]})
-                pipe.zadd(keys.active_batches(self.namespace), {batch_id: meta["created_ms"]})
-                await pipe.execute()
+            await self.redis.zadd(keys.batch_index(self.namespace, meta["owner"]),
+                                  {batch_id: created_ms})
         return created
 
     async def batch_meta(self, batch_id: str) -> dict[bytes, bytes]:
@@ -113,12 +114,14 @@ class BatchStore:
     async def cancel(self, batch_id: str, now_s: int) -> None:
         await self._cancel(keys=[self.keys(batch_id).meta], args=[now_s])
 
-    async def active(self) -> list[str]:
-        ids = await self.redis.zrange(keys.active_batches(self.namespace), 0, -1)
-        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+    async def active(self) -> list[tuple[str, int]]:
+        """(batch id, when it was listed, ms) of the batches not yet final."""
+        found = await self.redis.zrange(keys.active_batches(self.namespace), 0, -1,
+                                        withscores=True)
+        return [(i.decode() if isinstance(i, bytes) else i, int(ms)) for i, ms in found]
 
     async def retire(self, batch_id: str) -> None:
-        """A final batch leaves the active set (its runner found it final)."""
+        """A final batch leaves the active set (its runner found it final, or found none)."""
         await self.redis.zrem(keys.active_batches(self.namespace), batch_id)
 
     # --- the runner's steps ----------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,3 +58,39 @@ def test_a_batch_created_from_the_cli_is_the_gateways_too(
         assert batch_id in listed.stdout
         other = batch("--redis-url", redis_url, "--api-key", "k", "status", batch_id)
         assert other.returncode != 0 and "no batch" in other.stderr
+
+
+def test_a_batch_made_with_the_plain_redis_commands_of_the_protocol_runs(
+        r: Any, redis_url: str, worker_factory: Callable[..., Any]) -> None:
+    """docs/protocol.md's "Creating a batch from plain Redis", its script read from the doc:
+    the gateway's runner finds the batch and answers its lines."""
+    doc = (REPO_ROOT / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("### Creating a batch from plain Redis"):]
+    start = section.index("```lua\n") + len("```lua\n")
+    create = section[start:section.index("```", start)]
+    file_id, batch_id, now_ms = "file-" + "ab" * 12, "batch_" + "cd" * 12, int(time.time() * 1000)
+    rows = [json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/embeddings",
+                        "body": {"model": "minilm", "input": f"plain {i}"}}) for i in range(3)]
+    r.hset(f"redbatch:file:{{{file_id}}}:lines", mapping=dict(enumerate(rows)))
+    r.hset(f"redbatch:file:{{{file_id}}}", mapping={
+        "id": file_id, "bytes": sum(len(x) + 1 for x in rows), "created_at": now_ms // 1000,
+        "created_ms": now_ms, "filename": "in.jsonl", "purpose": "batch", "owner": "public",
+        "lines": 3})
+    r.zadd("redbatch:files:{public}", {file_id: now_ms})
+    r.zadd("redbatch:batches:active", {batch_id: now_ms}, nx=True)
+    meta = {"id": batch_id, "owner": "public", "endpoint": "/v1/embeddings",
+            "input_file_id": file_id, "completion_window": "24h", "status": "validating",
+            "created_at": now_ms // 1000, "created_ms": now_ms,
+            "expires_at": now_ms // 1000 + 86400, "total": 0, "completed": 0, "failed": 0,
+            "metadata": ""}
+    assert r.eval(create, 1, f"redbatch:batch:{{{batch_id}}}",
+                  *[part for pair in meta.items() for part in pair]) == 1
+    r.zadd("redbatch:batches:{public}", {batch_id: now_ms})
+    with worker_factory(model="minilm"), running_gateway(redis_url) as base_url:
+        deadline = time.monotonic() + 60
+        while (seen := httpx.get(f"{base_url}/v1/batches/{batch_id}").json())["status"] \
+                != "completed" and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert seen["status"] == "completed" and seen["request_counts"]["completed"] == 3
+    output = r.lrange(f"redbatch:batch:{{{batch_id}}}:output", 0, -1)
+    assert sorted(json.loads(line)["custom_id"] for line in output) == ["p0", "p1", "p2"]

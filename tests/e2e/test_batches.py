@@ -18,6 +18,7 @@ import redis
 from producer.batches import keys
 from tests.e2e.test_gateway import running_gateway, sdk
 from tests.rigs.chaos import heaviest_on_redis_7_only
+from tests.rigs.paths import REPO_ROOT
 from worker.commands.stats import read_batches, to_json
 
 TEXTS = ["The quick brown fox.", "Redis streams batch requests.", "ünïcode", "a" * 300]
@@ -255,3 +256,18 @@ def test_lines_the_worker_sheds_are_sent_again_never_answered_overloaded(
     assert {e["response"]["body"]["error"]["code"] for e in errors} == {"unexpected_result"}
     attempts = [keys.parse_request_id(e["response"]["request_id"]) for e in errors]
     assert max(found[1] for found in attempts if found) > 1  # some were shed, then sent again
+
+
+def test_the_readmes_batch_example_runs_as_written(worker_factory: Any, gateway_factory: Any,
+                                                   tmp_path: Any, monkeypatch: Any) -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("Batch jobs (OpenAI's Files and Batch APIs"):]
+    start = section.index("```python\n") + len("```python\n")
+    example = section[start:section.index("```", start)]
+    (tmp_path / "in.jsonl").write_bytes(jsonl(embedding_lines(3)))
+    monkeypatch.chdir(tmp_path)
+    printed: list[str] = []
+    with worker_factory(model="minilm"), gateway_factory() as base_url:
+        exec(example, {"client": sdk(base_url), "time": time, "print": printed.append})
+    assert sorted(json.loads(line)["custom_id"] for line in printed[0].splitlines()) == [
+        "line-0", "line-1", "line-2"]

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import redis
+import redis.asyncio as aioredis
 
 from producer.batches import keys, scripts
+from producer.batches.runner import STALE_MS, Runner, RunnerConfig
+from producer.batches.store import BatchStore
 
 
 def test_a_line_is_answered_once_and_the_batch_finishes_with_its_files(r: redis.Redis) -> None:
@@ -63,3 +69,23 @@ def test_cancel_and_start_move_only_from_their_states(r: redis.Redis) -> None:
     assert cancel(keys=[meta], args=[7]) == b"cancelling"
     assert cancel(keys=[meta], args=[8]) == b"cancelling"
     assert r.hget(meta, "cancelling_at") == b"7"
+
+
+def test_a_runner_waits_for_a_create_under_way_and_drops_one_that_was_lost(r: redis.Redis,
+                                                                          redis_url: str
+                                                                          ) -> None:
+    """The active set is written before the batch's hash: an id listed just now with no
+    hash yet is a create under way (kept); one listed long ago, a create that died (dropped)."""
+    now_ms = int(time.time() * 1000)
+    active = keys.active_batches("redbatch")
+    r.zadd(active, {"batch_new": now_ms, "batch_lost": now_ms - STALE_MS - 1})
+
+    async def one_round() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        store = BatchStore(client, "redbatch")
+        runner = Runner(store, lambda model: None, None, RunnerConfig(), "test")  # type: ignore[arg-type]
+        await runner.round()
+        await client.aclose()
+
+    asyncio.run(one_round())
+    assert r.zrange(active, 0, -1) == [b"batch_new"]
