@@ -161,8 +161,8 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     parts = Parts(
         **redis_parts(settings, client, describe_worker(settings, layout, model, executor.device,
                                                           targeted, lock)),
-        batcher=Batcher(boundaries, batch_limits, caps=caps,
-                        targeted=dispatch_rule(settings, targeted)),
+        batcher=Batcher(boundaries, batch_limits, caps, targeted=dispatch_rule(
+            settings, targeted), **background_of(settings)),
         governor=governor, controller=controller,
         ids=IdClaims(client, settings.namespace, settings.result_ttl_ms),
         runners=[BatchRunner(e, governor, memory, settings.model_name, governing=lock)
@@ -174,6 +174,12 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     worker.set_merge_tokens(UNMEASURED_MERGE_TOKENS if settings.merge_tokens is None
                             else settings.merge_tokens)
     return worker
+
+
+def background_of(settings: Settings) -> dict[str, int]:
+    """The batcher's cap on background requests (batch jobs' lines) beside online ones."""
+    return {"background_rows": settings.background_rows,
+            "background_quiet_ms": settings.background_quiet_ms}
 
 
 def generation_parts(settings: Settings, model: Model, client: redis.Redis,

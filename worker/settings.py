@@ -113,6 +113,10 @@ class Settings(BaseSettings):
         "an unfilled batch absorbs another bucket when that adds at most this many padded "
         "tokens (the model's fixed cost per batch over its cost per padded token); none: "
         "measured at warm-up; 0 keeps buckets apart"))
+    background_rows: int = Field(4, ge=0, description=(
+        "most priority < 0 requests (batch jobs' lines) in a batch while online ones came "
+        "within background_quiet_ms: online calls wait behind short batches only; 0: none"))
+    background_quiet_ms: int = Field(1000, ge=0, description="online quiet this long: no cap")
     max_inflight: int = Field(512, gt=0, description="entries read, not yet answered; on "
                               "CUDA 4096 unless set")
     read_count: int = Field(256, gt=0, description="most entries per XREADGROUP")

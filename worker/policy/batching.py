@@ -6,30 +6,15 @@ worker holds a Batcher under its one lock; times are passed in (monotonic second
 
 from __future__ import annotations
 
-import heapq
-from bisect import bisect_left
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from worker.policy.buckets import BatchLimits, Bucket, Pending, bucket_of, take_members
 from worker.policy.flow import entry_time_ms
 
-if TYPE_CHECKING:  # types only: policy imports nothing that does I/O (or torch)
-    from producer.request_entry import Request
-    from worker.models.base import Prepared
-
-
-@dataclass(slots=True)
-class Pending:
-    """A request read from the stream and prepared, waiting for its batch."""
-
-    entry_id: str
-    request: Request
-    item: Prepared
-    read_at: float  # monotonic seconds: max_wait_ms counts from here
-    seq: int = 0  # arrival order, set by the Batcher
-    enqueued_ms: int = 0  # the XADD time (Unix ms, from the entry id; at most the read time)
+__all__ = ["Batch", "BatchLimits", "Batcher", "Bucket", "DispatchRule", "Pending", "bucket_of",
+           "take_members"]
 
 
 @dataclass(slots=True)
@@ -61,35 +46,6 @@ class Batch:
         return sum(p.item.length for p in self.members)
 
 
-@dataclass(frozen=True, slots=True)
-class BatchLimits:
-    max_batch_size: int
-    max_batch_tokens: int
-    max_wait_s: float
-
-
-def bucket_of(length: int, boundaries: Sequence[int]) -> int:
-    """Index of the first boundary >= length; lengths past the last share one overflow bucket."""
-    return bisect_left(boundaries, length)
-
-
-def take_members(candidates: Sequence[Pending], limits: BatchLimits) -> list[Pending]:
-    """Greedy fill in the given order until the request cap or the padded-token cap.
-
-    The first candidate always goes, so an input above the token cap still runs, alone.
-    """
-    chosen: list[Pending] = []
-    longest = 0
-    for pending in candidates:
-        longest_if_added = max(longest, pending.item.length)
-        if chosen and (len(chosen) >= limits.max_batch_size
-                       or (len(chosen) + 1) * longest_if_added > limits.max_batch_tokens):
-            break
-        chosen.append(pending)
-        longest = longest_if_added
-    return chosen
-
-
 def added_padding(size: int, longest: int, other_size: int, other_longest: int) -> int:
     """Padded tokens one merged batch holds beyond the two batches run apart."""
     merged = (size + other_size) * max(longest, other_longest)
@@ -98,73 +54,6 @@ def added_padding(size: int, longest: int, other_size: int, other_longest: int) 
 
 def fits(size: int, longest: int, limits: BatchLimits) -> bool:
     return size <= limits.max_batch_size and size * longest <= limits.max_batch_tokens
-
-
-class Bucket:
-    """Requests of similar length, kept in arrival order (so items[0] is the oldest).
-
-    It counts its lengths and its prioritised requests as they come and go, so taking a
-    batch costs the batch, not the whole bucket (a bucket can hold `max_inflight` requests).
-    """
-
-    def __init__(self) -> None:
-        self.items: list[Pending] = []
-        self.longest = 0
-        self._lengths: Counter[int] = Counter()
-        self._prioritised = 0
-
-    def add(self, pending: Pending) -> None:
-        self.items.append(pending)
-        length = pending.item.length
-        self._lengths[length] += 1
-        if length > self.longest:
-            self.longest = length
-        if pending.request.priority:
-            self._prioritised += 1
-
-    def oldest_read_at(self) -> float:
-        return self.items[0].read_at
-
-    def is_full(self, limits: BatchLimits) -> bool:
-        n = len(self.items)
-        return n >= limits.max_batch_size or n * self.longest >= limits.max_batch_tokens
-
-    def take(self, limits: BatchLimits) -> list[Pending]:
-        """Remove and return the next batch: highest priority first, then oldest first."""
-        if self._prioritised:
-            order = heapq.nsmallest(limits.max_batch_size, self.items,
-                                    key=lambda p: (-p.request.priority, p.seq))
-            chosen = take_members(order, limits)
-            taken = {id(p) for p in chosen}
-            self.items = [p for p in self.items if id(p) not in taken]
-        else:
-            chosen = take_members(self.items, limits)
-            del self.items[: len(chosen)]
-        self._forget(chosen)
-        return chosen
-
-    def take_oldest(self, count: int) -> list[Pending]:
-        """Remove and return the `count` oldest, whatever their priority."""
-        taken, self.items = self.items[:count], self.items[count:]
-        self._forget(taken)
-        return taken
-
-    def take_all(self) -> list[Pending]:
-        taken, self.items = self.items, []
-        self._forget(taken)
-        return taken
-
-    def _forget(self, removed: list[Pending]) -> None:
-        lengths = self._lengths
-        for pending in removed:
-            length = pending.item.length
-            lengths[length] -= 1
-            if not lengths[length]:
-                del lengths[length]
-            if pending.request.priority:
-                self._prioritised -= 1
-        if self.longest not in lengths:
-            self.longest = max(lengths, default=0)
 
 
 class DispatchRule(Protocol):
@@ -196,21 +85,36 @@ class Batcher:
     tokens (the model's fixed cost per batch over its cost per padded token), and costs the
     padding it adds. Under light load requests spread thinly over many fine buckets, and one
     batch of them beats several of one; at saturation batches leave full and stay apart.
+
+    Background requests (priority below 0, batch jobs' lines) fill what online traffic
+    leaves, but a batch is not preemptible: while an online request arrived within
+    `background_quiet_ms`, a batch holds at most `background_rows` of them and absorbs no
+    bucket holding any, so an online request waits behind a short batch at most; once
+    online traffic is quiet, background batches are as large as the limits allow.
     """
 
     def __init__(self, boundaries: Sequence[int], limits: BatchLimits,
                  caps: Callable[[int], BatchLimits] | None = None,
-                 merge_tokens: int = 0, targeted: DispatchRule | None = None) -> None:
+                 merge_tokens: int = 0, targeted: DispatchRule | None = None,
+                 background_rows: int = 0, background_quiet_ms: int = 1000) -> None:
         """`targeted`: a rule that dispatches for a latency target instead of by max_wait
-        (targeted.py; or the cork baseline's, cork.py)."""
+        (targeted.py; or the cork baseline's, cork.py). `background_rows` 0: no cap."""
         self.boundaries = list(boundaries)
         self.limits = limits
         self.caps = caps
         self.merge_tokens = merge_tokens
         self.targeted = targeted
+        self.background_rows, self.background_quiet_ms = background_rows, background_quiet_ms
         self.buckets = [Bucket() for _ in range(len(self.boundaries) + 1)]
         self._seq = 0
         self._size = 0
+        self._online_ms = -(1 << 62)  # when the last online request arrived
+        self.background_cap: int | None = None  # the cap of the batch being formed
+
+    def background_rows_at(self, now_ms: int) -> int | None:
+        """The most background requests a batch formed now may hold (None: no cap)."""
+        recent = now_ms - self._online_ms < self.background_quiet_ms
+        return self.background_rows if self.background_rows and recent else None
 
     def __len__(self) -> int:
         return self._size
@@ -223,6 +127,8 @@ class Batcher:
         index = bucket_of(pending.item.length, self.boundaries)
         self.buckets[index].add(pending)
         self._size += 1
+        if pending.request.priority >= 0:
+            self._online_ms = max(self._online_ms, pending.enqueued_ms)
         if self.targeted is not None:
             self.targeted.arrived(index, pending)
         return index
@@ -245,6 +151,7 @@ class Batcher:
         `expired`, to be answered without compute; a batch may then have no members.
         `start_in_ms`: how long until the asking instance is free (latency target only).
         """
+        self.background_cap = self.background_rows_at(now_ms)
         if self.targeted is not None:
             return self.targeted.next_batch(self, now_ms, flush, start_in_ms)
         ready = [(b.oldest_read_at(), i) for i, b in enumerate(self.buckets)
@@ -254,7 +161,7 @@ class Batcher:
         _, index = min(ready)
         limits = self.limits_of(index)
         reason = "full" if self.buckets[index].is_full(limits) else "flush" if flush else "timer"
-        taken = self.buckets[index].take(limits)
+        taken = self.buckets[index].take(limits, self.background_cap)
         taken += self.absorb(index, taken, limits)
         return self.emit(index, taken, now_ms, reason)
 
@@ -276,12 +183,13 @@ class Batcher:
         `merge_tokens` padded tokens, the batch stays within its caps and `accept` (given
         the merged size and longest length) agrees."""
         size, longest = len(members), max(p.item.length for p in members)
+        capped = self.background_cap is not None  # then no bucket holding background ones
         extra: list[Pending] = []
         while True:
             merges = [(added_padding(size, longest, len(b.items), b.longest), j)
                       for j, b in enumerate(self.buckets)
-                      if j != index and b.items and fits(size + len(b.items),
-                                                         max(longest, b.longest), limits)]
+                      if j != index and b.items and not (capped and b.background)
+                      and fits(size + len(b.items), max(longest, b.longest), limits)]
             if not merges:
                 return extra
             padding, j = min(merges)

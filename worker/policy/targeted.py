@@ -75,7 +75,8 @@ class TargetedDispatch:
             return None
         _, index, decision = min(ready, key=lambda r: (r[0], r[1]))
         limits = batcher.limits_of(index)
-        taken = batcher.buckets[index].take(replace(limits, max_batch_size=decision.size))
+        taken = batcher.buckets[index].take(replace(limits, max_batch_size=decision.size),
+                                            batcher.background_cap)
         if taken:
             taken += batcher.absorb(index, taken, limits,
                                     self.keeps_slack(index, taken, decision.slack_ms))

@@ -1,0 +1,61 @@
+"""Background requests (priority < 0, batch jobs' lines) beside online ones: a batch holds
+at most `background_rows` of them while online requests keep arriving, and absorbs no
+bucket holding any; once online traffic is quiet they batch as large as the limits allow."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from worker.policy.batching import Batcher, BatchLimits, Pending
+
+
+def pending(n: int, priority: int, length: int = 4, at_ms: int = 1_000) -> Pending:
+    request: Any = SimpleNamespace(priority=priority, deadline_ms=None)
+    item: Any = SimpleNamespace(length=length)
+    return Pending(f"{at_ms}-{n}", request, item, read_at=0.0, enqueued_ms=at_ms)
+
+
+def batcher(rows: int = 2) -> Batcher:
+    return Batcher([8], BatchLimits(16, 10_000, 0.0), merge_tokens=10_000,
+                   background_rows=rows, background_quiet_ms=1000)
+
+
+def test_while_online_requests_arrive_a_batch_holds_few_background_ones() -> None:
+    b = batcher()
+    for n in range(10):
+        b.add(pending(n, -1))
+    b.add(pending(99, 0))
+    batch = b.next_batch(1.0, 1_500)
+    assert batch is not None
+    assert [p.request.priority for p in batch.members] == [0, -1, -1]
+    again = b.next_batch(1.0, 1_500)  # background alone, still capped
+    assert again is not None and len(again.members) == 2
+
+
+def test_background_in_another_bucket_is_not_absorbed_while_capped() -> None:
+    b = batcher()
+    b.add(pending(1, 0, length=4))
+    for n in range(5):
+        b.add(pending(10 + n, -1, length=12))  # the other bucket
+    batch = b.next_batch(1.0, 1_200)
+    assert batch is not None and len(batch.members) == 1
+
+
+def test_once_online_traffic_is_quiet_background_batches_are_full() -> None:
+    b = batcher()
+    b.add(pending(0, 0, at_ms=1_000))
+    for n in range(20):
+        b.add(pending(n + 1, -1, at_ms=1_000))
+    assert b.next_batch(1.0, 1_100) is not None  # the online one, with 2 background
+    batch = b.next_batch(1.0, 2_500)  # 1.5 s after the last online arrival
+    assert batch is not None and len(batch.members) == 16
+
+
+def test_no_cap_when_background_rows_is_zero() -> None:
+    b = batcher(rows=0)
+    b.add(pending(0, 0))
+    for n in range(20):
+        b.add(pending(n + 1, -1))
+    batch = b.next_batch(1.0, 1_100)
+    assert batch is not None and len(batch.members) == 16
