@@ -77,7 +77,8 @@ class Batcher:
 
     A bucket is ready when its next batch is full (requests or padded tokens) or its oldest
     request has waited `max_wait_s`. Among ready buckets the one holding the oldest request
-    goes first, so no bucket starves; within a bucket higher priority goes first.
+    goes first, so no bucket starves (one of background requests alone goes after any with
+    an online request); within a bucket higher priority goes first.
     `caps`, when given, supplies each bucket's limits (the memory governor's caps).
 
     A batch that leaves before it is full absorbs whole other buckets while that is cheaper
@@ -154,11 +155,11 @@ class Batcher:
         self.background_cap = self.background_rows_at(now_ms)
         if self.targeted is not None:
             return self.targeted.next_batch(self, now_ms, flush, start_in_ms)
-        ready = [(b.oldest_read_at(), i) for i, b in enumerate(self.buckets)
-                 if self._is_ready(i, now, flush)]
+        ready = [(b.background_only(), b.oldest_read_at(), i)
+                 for i, b in enumerate(self.buckets) if self._is_ready(i, now, flush)]
         if not ready:
             return None
-        _, index = min(ready)
+        *_, index = min(ready)
         limits = self.limits_of(index)
         reason = "full" if self.buckets[index].is_full(limits) else "flush" if flush else "timer"
         taken = self.buckets[index].take(limits, self.background_cap)

@@ -83,6 +83,10 @@ class Bucket:
             self._prioritised += 1
             self.background += pending.request.priority < 0
 
+    def background_only(self) -> bool:
+        """Only background requests: online buckets go first."""
+        return self.background == len(self.items)
+
     def oldest_read_at(self) -> float:
         return self.items[0].read_at
 

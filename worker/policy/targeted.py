@@ -70,10 +70,11 @@ class TargetedDispatch:
             if bucket.items:
                 decision = self.decide(batcher, index, now_ms, flush, start_in_ms)
                 if decision.ready:
-                    ready.append((bucket.items[0].enqueued_ms, index, decision))
+                    ready.append((bucket.background_only(), bucket.items[0].enqueued_ms,
+                                  index, decision))
         if not ready:
             return None
-        _, index, decision = min(ready, key=lambda r: (r[0], r[1]))
+        _, _, index, decision = min(ready, key=lambda r: r[:3])
         limits = batcher.limits_of(index)
         taken = batcher.buckets[index].take(replace(limits, max_batch_size=decision.size),
                                             batcher.background_cap)

@@ -59,3 +59,12 @@ def test_no_cap_when_background_rows_is_zero() -> None:
         b.add(pending(n + 1, -1))
     batch = b.next_batch(1.0, 1_100)
     assert batch is not None and len(batch.members) == 16
+
+
+def test_a_bucket_with_an_online_request_goes_before_an_older_background_one() -> None:
+    b = batcher()
+    for n in range(3):
+        b.add(pending(n, -1, length=12, at_ms=900))  # older, background alone
+    b.add(pending(9, 0, length=4, at_ms=1_000))
+    batch = b.next_batch(1.0, 1_100)
+    assert batch is not None and [p.request.priority for p in batch.members] == [0]
