@@ -95,3 +95,24 @@ def test_overlapped_penalised_steps_equal_steps_one_at_a_time(
         return engine, scheduler
 
     assert overlapped(*started()) == one_at_a_time(*started())
+
+
+def test_a_penalised_decode_step_reads_nothing_back_but_its_tokens(
+        tiny: tuple[Any, Any]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), [tokenizer.eos_token_id])
+    scheduler = DecodingScheduler(SchedulerLimits())
+    for i in range(6):
+        params = PENALISED if i % 2 else SamplingParams(24, logit_bias=((5, 1.0),))
+        ids = tokenizer(f"hello redis {i}").input_ids
+        engine.add(str(i), ids, params)
+        scheduler.add(SeqState(str(i), len(ids), params.max_new_tokens))
+    for _ in range(3):
+        scheduler.update(engine.step(scheduler.schedule()).finished)
+    plan = scheduler.schedule()
+    assert len(plan.decode) == 6 and not plan.prefill
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step(plan)
+    assert not [e for e in prof.events() if e.name == "aten::_local_scalar_dense"]
