@@ -97,7 +97,7 @@ def test_overlapped_penalised_steps_equal_steps_one_at_a_time(
     assert overlapped(*started()) == one_at_a_time(*started())
 
 
-def test_a_penalised_decode_step_reads_nothing_back_but_its_tokens(
+def test_a_penalised_decode_step_makes_one_copy_in_and_reads_nothing_back(
         tiny: tuple[Any, Any]) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -113,6 +113,8 @@ def test_a_penalised_decode_step_reads_nothing_back_but_its_tokens(
         scheduler.update(engine.step(scheduler.schedule()).finished)
     plan = scheduler.schedule()
     assert len(plan.decode) == 6 and not plan.prefill
+    before = engine.buffers.copies
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step(plan)
     assert not [e for e in prof.events() if e.name == "aten::_local_scalar_dense"]
+    assert engine.buffers.copies - before == 1  # the penalties' inputs ride in the upload

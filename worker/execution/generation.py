@@ -231,7 +231,7 @@ class GenerationEngine:
         if forward.penalties is not None:
             layout = forward.layout
             newest = forward.device[0].view(layout.rows, layout.queries)[:len(forward.seqs), -1]
-            logits = forward.penalties.apply(logits, newest, sorted(self.eos_ids))
+            logits = forward.penalties.apply(logits, newest)
         return choose_tokens(logits, forward.draws, packed)
 
     def _take(self, forward: Forward, tokens: list[int]) -> list[Delta]:

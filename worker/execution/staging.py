@@ -20,7 +20,7 @@ import torch
 from worker.execution.detokenize import TextState
 from worker.execution.kv_pool import KVPool
 from worker.execution.paged_attention import Layout
-from worker.execution.penalties import RowPenalties
+from worker.execution.penalties import PARTS, RowPenalties
 from worker.execution.sampling import RowDraws
 from worker.execution.step_buffers import StepBuffers
 from worker.execution.step_layouts import DecodeLayout, PackedLayout, StepLayout
@@ -114,7 +114,8 @@ def row_penalties(seqs: Sequence[EngineSeq], works: Sequence[Work],
         return None
     flying = flight.rows if flight is not None else {}
     return RowPenalties.of([s.text.params for s in seqs], [s.text.generated for s in seqs],
-                           [s.prompt_ids for s in seqs], [s.id in flying for s in seqs])
+                           [s.prompt_ids for s in seqs], [s.id in flying for s in seqs],
+                           seqs[0].text.eos_ids)
 
 
 def row_forward(pool: KVPool, seqs: Sequence[EngineSeq], works: Sequence[Work],
@@ -169,6 +170,8 @@ def upload(buffers: StepBuffers, forwards: Sequence[Forward],
         parts += [forward.ids, *forward.layout.host]
         if forward.draws is not None and forward.draws.samples:
             parts.append(forward.draws.packed())
+        if forward.penalties is not None:
+            parts += forward.penalties.parts()
         if forward.late[0]:
             parts += forward.late
     views = iter(buffers.upload(parts))
@@ -177,6 +180,8 @@ def upload(buffers: StepBuffers, forwards: Sequence[Forward],
         forward.layout.bind(*[next(views) for _ in forward.layout.host])
         if forward.draws is not None and forward.draws.samples:
             forward.device.append(next(views))
+        if forward.penalties is not None:
+            forward.penalties.device = [next(views) for _ in range(PARTS)]
         if forward.late[0]:
             assert flight is not None
             at, index = next(views), next(views)

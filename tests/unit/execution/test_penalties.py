@@ -17,9 +17,9 @@ CPU = torch.device("cpu")
 def apply(params: list[SamplingParams], output: list[list[int]], logits: list[list[float]],
           prompts: list[list[int]] | None = None, eos: tuple[int, ...] = ()) -> torch.Tensor:
     rows = RowPenalties.of(params, output, prompts or [[] for _ in params],
-                           [False] * len(params))
+                           [False] * len(params), eos)
     assert rows is not None
-    return rows.apply(torch.tensor(logits), None, eos)
+    return rows.apply(torch.tensor(logits), None)
 
 
 def test_frequency_and_presence_penalties_by_hand() -> None:
@@ -41,9 +41,9 @@ def test_an_unpenalised_row_beside_penalised_ones_is_unchanged_to_the_bit() -> N
     penalised = SamplingParams(8, 0.7, frequency_penalty=1.5, repetition_penalty=1.3,
                                logit_bias=((3, 100.0),), min_tokens=4)
     rows = RowPenalties.of([penalised, SamplingParams(8), penalised],
-                           [[1, 2, 2], [1, 2, 2], []], [[5], [5], [5]], [False] * 3)
+                           [[1, 2, 2], [1, 2, 2], []], [[5], [5], [5]], [False] * 3, [7])
     assert rows is not None
-    out = rows.apply(logits, None, [7])
+    out = rows.apply(logits, None)
     assert torch.equal(out[1], logits[1])
     assert out[0, 3] == logits[0, 3] + 100 and out[0, 7] == float("-inf")
     assert RowPenalties.of([SamplingParams(8)], [[1]], [[2]], [False]) is None
@@ -61,7 +61,7 @@ def test_a_token_in_flight_counts_from_the_device() -> None:
     params = SamplingParams(8, presence_penalty=1.0)
     rows = RowPenalties.of([params], [[0]], [[]], [True])
     assert rows is not None and rows.drawn == [2]
-    out = rows.apply(torch.zeros(1, 4), torch.tensor([2]), ())
+    out = rows.apply(torch.zeros(1, 4), torch.tensor([2]))
     assert out.tolist() == [[-1.0, 0.0, -1.0, 0.0]]
 
 
