@@ -125,8 +125,7 @@ def stream_timed_out(seconds: float, chunks: int) -> ApiError:
 
 # Fields redbatch does not implement, accepted at the value that changes nothing: clients
 # that send every field with its default still work.
-NEUTRAL_FIELDS: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0,
-                                  "logprobs": False, "echo": False}
+NEUTRAL_FIELDS: dict[str, Any] = {"logprobs": False, "echo": False}
 
 
 def refuse_unsupported(body: dict[str, Any], known: set[str]) -> None:

@@ -14,9 +14,10 @@ from typing import Any
 
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from producer.gateway.errors import invalid, refuse_unsupported
+from producer.gateway.penalty_fields import PENALTY_FIELDS, penalty_fields
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                 "stream_options", "n", "user"}
+                 "stream_options", "n", "user", *PENALTY_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 MESSAGE_FIELDS = {"role", "content", "name"}
@@ -110,6 +111,7 @@ def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
         out["seed"] = fields["seed"]
     if "stop" in fields:
         out["stop"] = parse_stop(fields["stop"])
+    out.update(penalty_fields(fields))
     return out
 
 

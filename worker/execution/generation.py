@@ -228,6 +228,10 @@ class GenerationEngine:
         if forward.draws is None:
             return None
         packed = forward.device[1] if len(forward.device) > 1 else None
+        if forward.penalties is not None:
+            layout = forward.layout
+            newest = forward.device[0].view(layout.rows, layout.queries)[:len(forward.seqs), -1]
+            logits = forward.penalties.apply(logits, newest)
         return choose_tokens(logits, forward.draws, packed)
 
     def _take(self, forward: Forward, tokens: list[int]) -> list[Delta]:

@@ -20,6 +20,7 @@ import torch
 from worker.execution.detokenize import TextState
 from worker.execution.kv_pool import KVPool
 from worker.execution.paged_attention import Layout
+from worker.execution.penalties import PARTS, RowPenalties
 from worker.execution.sampling import RowDraws
 from worker.execution.step_buffers import StepBuffers
 from worker.execution.step_layouts import DecodeLayout, PackedLayout, StepLayout
@@ -67,6 +68,7 @@ class Forward:
     late: tuple[list[int], list[int]] = field(  # ids positions, their tokens in flight
         default_factory=lambda: ([], []))
     device: list[torch.Tensor] = field(default_factory=list)  # ids (and draws) on device
+    penalties: RowPenalties | None = None  # None when no row is penalised
 
 
 def reserve(pool: KVPool, seqs: Sequence[EngineSeq], works: Sequence[Work]) -> None:
@@ -105,6 +107,17 @@ def row_draws(seqs: Sequence[EngineSeq], works: Sequence[Work],
                        [len(s.text.generated) + (s.id in flying) for s in seqs])
 
 
+def row_penalties(seqs: Sequence[EngineSeq], works: Sequence[Work],
+                  flight: TokensInFlight | None) -> RowPenalties | None:
+    """The penalties' inputs (None when no row is penalised or none emits)."""
+    if not any(w.emits for w in works):
+        return None
+    flying = flight.rows if flight is not None else {}
+    return RowPenalties.of([s.text.params for s in seqs], [s.text.generated for s in seqs],
+                           [s.prompt_ids for s in seqs], [s.id in flying for s in seqs],
+                           seqs[0].text.eos_ids)
+
+
 def row_forward(pool: KVPool, seqs: Sequence[EngineSeq], works: Sequence[Work],
                 flight: TokensInFlight | None) -> Forward:
     """Rows attending one at a time (a CPU): ids left-padded to the longest row."""
@@ -113,7 +126,7 @@ def row_forward(pool: KVPool, seqs: Sequence[EngineSeq], works: Sequence[Work],
                         [w.end for w in works], bind=False, slots=[s.slots for s in seqs])
     ids, late = input_ids(seqs, works, layout.queries, flight)
     return Forward(list(seqs), list(works), layout, ids, row_draws(seqs, works, flight),
-                   late=late)
+                   late=late, penalties=row_penalties(seqs, works, flight))
 
 
 def decode_forward(pool: KVPool, classes: ShapeClasses, seqs: Sequence[EngineSeq],
@@ -127,7 +140,8 @@ def decode_forward(pool: KVPool, classes: ShapeClasses, seqs: Sequence[EngineSeq
                           bind=False)
     ids, late = input_ids(seqs, works, 1, flight)
     return Forward(list(seqs), list(works), layout, ids + [0] * (layout.rows - len(ids)),
-                   row_draws(seqs, works, flight), late=late)
+                   row_draws(seqs, works, flight), late=late,
+                   penalties=row_penalties(seqs, works, flight))
 
 
 def packed_forward(pool: KVPool, classes: ShapeClasses, max_rows: int,
@@ -144,7 +158,7 @@ def packed_forward(pool: KVPool, classes: ShapeClasses, max_rows: int,
     for seq, work in zip(seqs, works, strict=True):
         ids += seq.tokens(work.start, work.end)
     return Forward(list(seqs), list(works), layout, ids + [0] * (layout.queries - queries),
-                   row_draws(seqs, works, None))
+                   row_draws(seqs, works, None), penalties=row_penalties(seqs, works, None))
 
 
 def upload(buffers: StepBuffers, forwards: Sequence[Forward],
@@ -156,6 +170,8 @@ def upload(buffers: StepBuffers, forwards: Sequence[Forward],
         parts += [forward.ids, *forward.layout.host]
         if forward.draws is not None and forward.draws.samples:
             parts.append(forward.draws.packed())
+        if forward.penalties is not None:
+            parts += forward.penalties.parts()
         if forward.late[0]:
             parts += forward.late
     views = iter(buffers.upload(parts))
@@ -164,6 +180,8 @@ def upload(buffers: StepBuffers, forwards: Sequence[Forward],
         forward.layout.bind(*[next(views) for _ in forward.layout.host])
         if forward.draws is not None and forward.draws.samples:
             forward.device.append(next(views))
+        if forward.penalties is not None:
+            forward.penalties.device = [next(views) for _ in range(PARTS)]
         if forward.late[0]:
             assert flight is not None
             at, index = next(views), next(views)

@@ -4,7 +4,9 @@ InvalidInput (answered `invalid_request`), never a failure of the worker.
     {"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}
     max_new_tokens (int, 1..max_new_tokens_limit), temperature (>= 0; 0 = greedy),
     top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings of
-    <= 1,000 characters), stream (bool, default true); a key set to null counts as left out
+    <= 1,000 characters), stream (bool, default true), presence_penalty,
+    frequency_penalty, repetition_penalty, logit_bias, min_tokens (models/penalty_params.py);
+    a key set to null counts as left out
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.models.base import InvalidInput
+from worker.models.penalty_params import penalty_fields
 
 SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
         "{\"role\": <string>, \"content\": <string>})"
@@ -32,6 +35,17 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0  # these five: models/penalty_params.py
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits are changed before the draw (execution/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +119,8 @@ def _stops(payload: dict[str, Any]) -> tuple[str, ...]:
 
 
 def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
-                    default_new: int, limit_new: int) -> SamplingParams:
+                    default_new: int, limit_new: int,
+                    vocab: int | None = None) -> SamplingParams:
     """The sampling parameters; `max_new_tokens` is cut to what the context window leaves."""
     if prompt_len >= context:
         raise InvalidInput(f"prompt is {prompt_len} tokens; the context window of this model "
@@ -129,5 +144,6 @@ def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
     if not isinstance(_given(payload, "stream", True), bool):
         raise InvalidInput(f"'stream' must be true or false, got {payload['stream']!r}",
                            "stream")
-    return SamplingParams(min(max_new, context - prompt_len), temperature, top_p,
-                          min(top_k, TOP_K_CAP), seed, _stops(payload))
+    max_new = min(max_new, context - prompt_len)
+    return SamplingParams(max_new, temperature, top_p, min(top_k, TOP_K_CAP), seed,
+                          _stops(payload), **penalty_fields(payload, max_new, vocab))

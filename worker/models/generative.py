@@ -132,7 +132,7 @@ class CausalLM(Model):
         prompt = prompt_of(payload)
         ids = self._prompt_ids(prompt)
         params = sampling_params(payload, len(ids), self.context, self.max_new_tokens,
-                                 self.max_new_tokens_limit)
+                                 self.max_new_tokens_limit, self.lm.config.vocab_size)
         return Prepared(len(ids), GenerationInput(ids, params, wants_stream(payload)))
 
     def _prompt_ids(self, prompt: str | list[dict[str, str]]) -> list[int]:
