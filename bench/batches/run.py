@@ -124,8 +124,12 @@ async def online(base_url: str, texts: list[str], rate: float, seconds: float
         async def call(index: int) -> None:
             nonlocal failed
             begun = time.perf_counter()
-            answer = await client.post("/v1/embeddings", json={
-                "model": "minilm", "input": texts[index % len(texts)]})
+            try:
+                answer = await client.post("/v1/embeddings", json={
+                    "model": "minilm", "input": texts[index % len(texts)]})
+            except httpx.HTTPError:  # counted: a connection the gateway dropped is a failure
+                failed += 1
+                return
             if answer.status_code != 200:
                 failed += 1
                 return
@@ -159,19 +163,28 @@ def latency_beside_a_batch(base_url: str, texts: list[str], rate: float, seconds
 
 
 @contextmanager
-def stack(tmp: Path) -> Iterator[tuple[str, str, dict[str, int]]]:
-    """An embedded Redis, one minilm worker process and a gateway."""
+def stack(tmp: Path, separate_runner: bool) -> Iterator[tuple[str, str, dict[str, int]]]:
+    """An embedded Redis, one minilm worker process and a gateway (with `separate_runner`,
+    one with no batch runner, and `python -m producer batches` beside it)."""
     server = RedisServer(tmp / "redis", appendonly=False).start()
+    os.environ["REDBATCH_BATCH_RUNNER"] = "false" if separate_runner else "true"
+    extra: list[subprocess.Popen[bytes]] = []
     try:
         with Workers(server.url, "redbatch", 1, tmp, model="minilm") as workers:
             workers.wait_until_reading()
             gateway, base_url = start_gateway(server.url, 1, tmp / "gateway.log")
+            pids = {"gateway": gateway.pid, "worker": workers.processes[0].pid}
+            if separate_runner:
+                extra.append(subprocess.Popen(
+                    [sys.executable, "-m", "producer", "batches", "--redis-url", server.url],
+                    cwd=REPO_ROOT, stderr=subprocess.DEVNULL))
+                pids["runner"] = extra[0].pid
             try:
-                yield server.url, base_url, {"gateway": gateway.pid,
-                                             "worker": workers.processes[0].pid}
+                yield server.url, base_url, pids
             finally:
-                gateway.terminate()
-                gateway.wait(30)
+                for process in [gateway, *extra]:
+                    process.terminate()
+                    process.wait(30)
     finally:
         server.stop()
 
@@ -180,7 +193,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     texts = build_corpus(args.lines).texts
     texts = (texts * (args.lines // max(len(texts), 1) + 1))[:args.lines]
     runs: dict[str, list[dict[str, Any]]] = {"producer": [], "batch_api": []}
-    with stack(tmp) as (redis_url, base_url, pids):
+    with stack(tmp, args.separate_runner) as (redis_url, base_url, pids):
         for repeat in range(args.repeats):
             order = ("producer", "batch_api") if repeat % 2 == 0 else ("batch_api", "producer")
             for path in order:
@@ -194,6 +207,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "median_lines_per_s": {p: median([r["lines_per_s"] for r in rs])
                                    for p, rs in runs.items()},
             "batch_over_producer": median(ratios), "ratios": ratios, "latency": latency,
+            "separate_runner": args.separate_runner,
             "command": " ".join(["python -m bench.batches", *sys.argv[1:]])}
 
 
@@ -204,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--online-s", type=float, default=20.0)
     parser.add_argument("--load", type=float, default=0.5, help="online rate / capacity")
+    parser.add_argument("--separate-runner", action="store_true", help=(
+        "the batch runner as `python -m producer batches`, not in the gateway's process"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -182,6 +182,9 @@ def test_hostile_requests_get_openai_errors(gateway_factory: Any, redis_url: str
         with pytest.raises(openai.NotFoundError):
             a.files.retrieve("../../etc")
         assert httpx.get(f"{base_url}/v1/files").status_code == 401
+        # LiteLLM's detection of a server that runs batches itself: GET /v1/files is 200
+        listed = httpx.get(f"{base_url}/v1/files", headers={"Authorization": "Bearer key-a"})
+        assert listed.status_code == 200 and listed.json()["object"] == "list"
         assert keys.is_file_id(file_id)
 
 
