@@ -81,6 +81,7 @@ def test_the_model_loads_in_the_chosen_dtype_and_the_worker_announces_it(
 
     announced = r.hgetall(protocol.workers_key(settings.namespace, settings.model_name))
     assert [announcement(v)["dtype"] for v in announced.values()] == ["bfloat16"]
+    assert [announcement(v)["dtype_why"] for v in announced.values()] == ["as set"]
     model, _ = load_model(load_settings(None, model="echo", device="cpu"))
     fast = cpu_bf16_support()  # auto on a CPU: bf16 with AMX / AVX-512 BF16 (issue 45)
     assert model.dtype == (torch.bfloat16 if fast else torch.float32)
