@@ -75,6 +75,7 @@ def test_the_sweep_stops_at_the_high_watermark_without_keeping_that_size() -> No
 def test_calibrate_writes_the_file_the_worker_loads(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "worker", "calibrate", "--model", "echo", "--device", "cpu",
+         "--dtype", "float32",
          "--repeats", "1", "--calibration-dir", str(tmp_path), "--bucket-boundaries", "[64, 256]",
          "--max-batch-size", "8", "--log-level", "error"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
