@@ -108,12 +108,12 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
         raise StartupError(str(exc), ("model",)) from None
     try:
         device = resolve_device(settings.device)
-        precision = device_precision(settings.dtype, device)
+        precision = device_precision(settings.dtype, device, model.generative)
     except UnsupportedDtype as exc:
         raise StartupError(str(exc), ("dtype",)) from None
     except ValueError as exc:
         raise StartupError(str(exc), ("device",)) from None
-    model.dtype = getattr(torch, precision.dtype)
+    model.dtype, model.dtype_reason = getattr(torch, precision.dtype), precision.reason
     model.cache_dir = settings.cache_dir or default_cache_dir()
     torch.set_num_threads(resolve_layout(settings, model, device).threads)
     started = time.perf_counter()
@@ -252,7 +252,8 @@ def describe_worker(settings: Settings, layout: Layout, model: Model, device: to
     """What `stats` shows of this worker: its layout and why, its device, and with a
     latency target the observed percentile and the margin (read under the worker's lock)."""
     static = {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
-              "dtype": dtype_name(model.dtype), "model": settings.model,
+              "dtype": dtype_name(model.dtype), "dtype_why": model.dtype_reason,
+              "model": settings.model,
               "kind": model.announced_kind().value, "started_ms": int(time.time() * 1000)}
     policy = targeted.policy
     if not settings.latency_target_ms:

@@ -32,11 +32,25 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def device_precision(setting: str, device: torch.device) -> Precision:
+def cpu_bf16_support() -> str | None:
+    """The CPU's fast bf16 instructions, None: none. From torch's own checks (torch.cpu, the
+    cpuinfo library oneDNN dispatches on), not /proc/cpuinfo: they say what torch will use."""
+    checks = (("AMX tiles", "_is_amx_tile_supported"),
+              ("AVX-512 BF16", "_is_avx512_bf16_supported"))
+    for name, check in checks:
+        probe = getattr(torch.cpu, check, None)
+        if probe is not None and probe():
+            return name
+    return None
+
+
+def device_precision(setting: str, device: torch.device,
+                     generative: bool = False) -> Precision:
     """The `dtype` setting resolved for this device (policy/precision.py); on CUDA with TF32
     allowed, float32 matmuls use the tensor cores from here on (a process-wide switch)."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    precision = choose_precision(setting, device.type, capability)
+    cpu_bf16 = cpu_bf16_support() if device.type == "cpu" else None
+    precision = choose_precision(setting, device.type, capability, cpu_bf16, generative)
     if precision.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

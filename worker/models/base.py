@@ -69,6 +69,8 @@ class Model(ABC):
     #: the dtype to compute in (the `dtype` setting, resolved for the device), set by the
     #: worker before load(); a model that has only one may ignore it
     dtype: torch.dtype = torch.float32
+    #: why that dtype (policy/precision.py), for `worker.serving`, `stats` and the hash
+    dtype_reason: str = "the model's default"
     #: where the model may keep what it derives from its weights between starts (a GGUF
     #: file's dequantised tensors), set by the worker before load(); None: keep nothing
     cache_dir: Path | None = None

@@ -153,7 +153,7 @@ class Worker:
         log.info("worker.serving", stream=self.reader.stream, group=self.settings.group,
                  consumer=self.settings.consumer, buckets=self.batcher.boundaries,
                  instances=len(self.runners), threads=self.layout.threads,
-                 dtype=dtype_name(self.model.dtype),
+                 dtype=dtype_name(self.model.dtype), dtype_why=self.model.dtype_reason,
                  layout=self.layout.reason, latency_target_ms=self.settings.latency_target_ms,
                  batch_controller=self.settings.batch_controller, **steps)
         try:

@@ -159,6 +159,9 @@ def consumer_stats(info: dict[str, Any], announced: dict[str, Any]) -> ConsumerS
     nothing, and a worker that died stays listed until removed."""
     layout, latency = announced.get("layout"), announced.get("latency")
     dtype, seen = announced.get("dtype"), announced.get("seen_ms")
+    why = announced.get("dtype_why")
+    if isinstance(dtype, str) and isinstance(why, str):
+        dtype = f"{dtype} ({why})"
     seen = seen if isinstance(seen, int) else None
     return ConsumerStats(as_text(info["name"]), info["pending"], info["idle"],
                          layout if isinstance(layout, str) else None,

@@ -75,6 +75,7 @@ def test_the_sweep_stops_at_the_high_watermark_without_keeping_that_size() -> No
 def test_calibrate_writes_the_file_the_worker_loads(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "worker", "calibrate", "--model", "echo", "--device", "cpu",
+         "--dtype", "float32",
          "--repeats", "1", "--calibration-dir", str(tmp_path), "--bucket-boundaries", "[64, 256]",
          "--max-batch-size", "8", "--log-level", "error"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
@@ -96,7 +97,7 @@ def test_the_worker_starts_with_calibrated_sizes_and_warms_each_bucket(
     settings = load_settings(None, redis_url=redis_url,
                              model="tests.rigs.plugin_models:PressureModel",
                              bucket_boundaries=[64, 256], max_batch_size=4, metrics_port=0,
-                             calibration_dir=tmp_path, merge_tokens=0)
+                             calibration_dir=tmp_path, merge_tokens=0, dtype="float32")
     worker = build_worker(settings, r)
     assert [cap.requests for cap in worker.governor.base] == [2, 4, 4]
     model = worker.model
@@ -108,7 +109,7 @@ def test_a_malformed_calibration_file_stops_the_worker_clearly(
         tmp_path: Path, redis_url: str, r: redis.Redis) -> None:
     (tmp_path / "echo-cpu-float32.json").write_text("{not json")
     settings = load_settings(None, redis_url=redis_url, model="echo", metrics_port=0,
-                             calibration_dir=tmp_path)
+                             calibration_dir=tmp_path, dtype="float32")
     with pytest.raises(StartupError, match="malformed"):
         build_worker(settings, r)
 

@@ -14,6 +14,7 @@ from tests.rigs.paths import REPO_ROOT
 from tests.rigs.workers import loaded_model
 from worker.app import StartupError, build_worker, load_model
 from worker.execution.calibration import calibration_path
+from worker.execution.executor import cpu_bf16_support
 from worker.models.minilm import MiniLMModel
 from worker.policy.precision import Precision, UnsupportedDtype, choose_precision
 from worker.settings import SettingsError, load_settings
@@ -22,7 +23,7 @@ SENTENCES = REPO_ROOT / "examples" / "sentences.txt"
 
 
 @pytest.mark.parametrize(("setting", "device", "capability", "expected"), [
-    ("auto", "cpu", None, ("float32", False)),
+    ("auto", "cpu", None, ("float32", False)),  # no fast bf16 named: tests/unit/policy
     ("auto", "cuda", (9, 0), ("bfloat16", False)),  # H100 / H200
     ("auto", "cuda", (8, 0), ("bfloat16", False)),  # A100
     ("auto", "cuda", (7, 5), ("float16", False)),  # T4
@@ -80,8 +81,11 @@ def test_the_model_loads_in_the_chosen_dtype_and_the_worker_announces_it(
 
     announced = r.hgetall(protocol.workers_key(settings.namespace, settings.model_name))
     assert [announcement(v)["dtype"] for v in announced.values()] == ["bfloat16"]
+    assert [announcement(v)["dtype_why"] for v in announced.values()] == ["as set"]
     model, _ = load_model(load_settings(None, model="echo", device="cpu"))
-    assert model.dtype == torch.float32  # auto on a CPU
+    fast = cpu_bf16_support()  # auto on a CPU: bf16 with AMX / AVX-512 BF16 (issue 45)
+    assert model.dtype == (torch.bfloat16 if fast else torch.float32)
+    assert model.dtype_reason.startswith("auto:")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only host")
