@@ -63,8 +63,7 @@ class Settings(BaseSettings):
     model: str = Field("minilm", description="built-in name or 'package.module:ClassName'")
     model_name: str = Field("", description="the name in the stream key; none: the model's "
                             "(minilm; pkg.mod:MyModel: mymodel)")
-    model_options: dict[str, Any] = Field(default_factory=dict,
-                                          description="the model's own options (JSON object)")
+    model_options: dict[str, Any] = Field(default_factory=dict, description="model options (JSON)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description=(
         "the dtype the model computes in; auto: bfloat16 on CUDA >= 8.0, float16 on older "
