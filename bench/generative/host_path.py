@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     model: Any = create_model(MODEL, {"max_seqs": args.concurrency,
                                       "max_new_tokens_limit": max(1024, args.tokens)})
     device = resolve_device(args.device)
-    model.dtype = getattr(torch, device_precision("auto", device).dtype)
+    model.dtype = getattr(torch, device_precision("auto", device, generative=True).dtype)
     model.load(device)
     rates = []
     with tempfile.TemporaryDirectory() as tmp, \

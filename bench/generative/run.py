@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    precision = device_precision(args.dtype, device)
+    precision = device_precision(args.dtype, device, generative=True)
     model = create_model(args.model, model_options(args))
     model.dtype = getattr(torch, precision.dtype)
     model.load(device)
