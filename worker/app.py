@@ -176,10 +176,11 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     return worker
 
 
-def background_of(settings: Settings) -> dict[str, int]:
-    """The batcher's cap on background requests (batch jobs' lines) beside online ones."""
+def background_of(settings: Settings) -> dict[str, Any]:
+    """How background requests (batch jobs' lines) share the device with online ones."""
     return {"background_rows": settings.background_rows,
-            "background_quiet_ms": settings.background_quiet_ms}
+            "background_quiet_ms": settings.background_quiet_ms,
+            "background_share": settings.background_share}
 
 
 def generation_parts(settings: Settings, model: Model, client: redis.Redis,

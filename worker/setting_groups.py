@@ -17,7 +17,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "instances", "cpu_cores", "warmup", "cuda_graphs", "cache_dir")),
     ("batching", "how requests are grouped into batches", (
         "max_batch_size", "max_batch_tokens", "max_wait_ms", "bucket_boundaries",
-        "merge_tokens", "background_rows", "background_quiet_ms",
+        "merge_tokens", "background_rows", "background_share", "background_quiet_ms",
         "max_inflight", "read_count", "calibration_dir")),
     ("latency", "an end-to-end latency target, or a baseline controller", (
         "latency_target_ms", "latency_percentile", "shed_over_target", "batch_controller",

@@ -21,12 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from producer.protocol import DEFAULT_GROUP, DEFAULT_NAMESPACE
 from worker.policy.device_defaults import UNSET_STAYS_UNSET
-from worker.setting_sources import (
-    SettingSources,
-    WholeEnv,
-    WholeToml,
-    describe_validation_error,
-)
+from worker.setting_sources import SettingSources, WholeEnv, WholeToml, describe_validation_error
 
 
 def default_consumer_name() -> str:
@@ -116,6 +111,8 @@ class Settings(BaseSettings):
     background_rows: int = Field(4, ge=0, description=(
         "most priority < 0 requests (batch jobs' lines) in a batch while online ones came "
         "within background_quiet_ms: online calls wait behind short batches only; 0: none"))
+    background_share: float = Field(0.5, gt=0, le=1, description=(
+        "the most of the time batches of priority < 0 requests alone take meanwhile"))
     background_quiet_ms: int = Field(1000, ge=0, description="online quiet this long: no cap")
     max_inflight: int = Field(512, gt=0, description="entries read, not yet answered; on "
                               "CUDA 4096 unless set")

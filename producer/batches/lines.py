@@ -107,13 +107,16 @@ class Validator:
     def finish(self) -> list[dict[str, Any]]:
         """Every error found, the line limit and an empty file included."""
         if self.lines > self.max_lines:
-            self.errors.insert(0, {"code": "too_many_lines", "message": (
-                f"the file holds {self.lines} lines, above the limit of {self.max_lines}"),
-                "param": None, "line": None})
+            self.errors.insert(0, problem("too_many_lines", f"the file holds {self.lines} "
+                                          f"lines, above the limit of {self.max_lines}"))
         if not self.lines:
-            self.errors.append({"code": "empty_file", "message": "the input file holds no "
-                                "lines", "param": None, "line": None})
+            self.errors.append(problem("empty_file", "the input file holds no lines"))
         return self.errors
+
+
+def problem(code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """An error of the whole file (no line), as a failed batch's `errors` lists it."""
+    return {"code": code, "message": message, "param": param, "line": None}
 
 
 Shaper = Callable[[str, list[dict[str, Any]]], Any]  # (request id, results) -> body

@@ -52,7 +52,8 @@ class RunnerConfig:
     busy_backlog: int = 2  # the batch's own lines queued, while online requests are queued too
     lease_s: float = 15.0
     flight_timeout_s: float = 900.0  # a line admitted this long ago, unanswered, goes again
-    poll_s: float = 0.2
+    poll_s: float = 0.2  # between rounds that moved nothing
+    busy_poll_s: float = 0.005  # between rounds that settled or admitted lines
     max_lines: int = 50_000
     max_line_bytes: int = 4 << 20
     max_inputs: int = 2048
@@ -72,42 +73,51 @@ class Runner:
         """Step every batch this runner can hold until `stop`; a failure is logged and the
         batch tried again next round (its lease lapses if this runner keeps failing)."""
         while not stop.is_set():
+            moved = False
             try:
-                await self.round()
+                moved = await self.round()
             except Exception as exc:  # Redis down, a bug: the runner must outlive it
                 log.warning("batch_runner_failed", error=f"{type(exc).__name__}: {exc}")
+            # a round that moved lines goes again soon: the next replies are already due,
+            # and a fixed poll would cap a batch at max_backlog lines a poll
+            wait_s = self.config.busy_poll_s if moved else self.config.poll_s
             try:
-                await asyncio.wait_for(stop.wait(), self.config.poll_s)
+                await asyncio.wait_for(stop.wait(), wait_s)
             except TimeoutError:
                 pass
 
-    async def round(self) -> None:
-        lease_ms = int(self.config.lease_s * 1000)
+    async def round(self) -> bool:
+        """Step every batch this runner holds; whether any settled or admitted lines."""
+        lease_ms, moved = int(self.config.lease_s * 1000), False
         for batch_id, listed_ms in await self.store.active():
             try:
                 if await self.store.lease(batch_id, self.holder, lease_ms):
-                    await self.step(batch_id, listed_ms)
+                    moved = await self.step(batch_id, listed_ms) or moved
             except Exception as exc:  # one batch's fault must not stall the others
                 log.warning("batch_step_failed", batch=batch_id,
                             error=f"{type(exc).__name__}: {exc}")
+        return moved
 
-    async def step(self, batch_id: str, listed_ms: int = 0) -> None:
-        """One move of the batch: validate it, or settle and admit, or finish it."""
+    async def step(self, batch_id: str, listed_ms: int = 0) -> bool:
+        """One move of the batch: validate it, or settle and admit, or finish it; whether
+        lines were settled or admitted."""
         meta = await self.store.batch_meta(batch_id)
         status = objects.text(meta, "status")
         if status is None and time.time() * 1000 - listed_ms < STALE_MS:
-            return  # listed, its hash not written yet: a create under way
+            return False  # listed, its hash not written yet: a create under way
         if status is None or status in objects.FINAL:
             self.forget(batch_id)
             await self.store.retire(batch_id)
         elif status == objects.VALIDATING:
             await self.validate(batch_id, meta)
+            return True
         elif status == objects.CANCELLING:
             await self.close(batch_id, meta, objects.CANCELLED, lines.CANCELLED)
         elif time.time() >= (objects.integer(meta, "expires_at") or 0):
             await self.close(batch_id, meta, objects.EXPIRED, lines.EXPIRED)
         else:
-            await self.advance(batch_id, meta)
+            return await self.advance(batch_id, meta)
+        return False
 
     def forget(self, batch_id: str) -> None:
         if self.rates.pop(batch_id, None) is not None:
@@ -130,8 +140,8 @@ class Runner:
         file_id = objects.text(meta, "input_file_id") or ""
         count = objects.integer(await self.store.file_meta(file_id), "lines")
         if count is None:
-            checker.errors.append(problem("file_not_found", f"the input file {file_id} is "
-                                          "gone", "input_file_id"))
+            checker.errors.append(lines.problem(
+                "file_not_found", f"the input file {file_id} is gone", "input_file_id"))
         for start in range(0, min(count or 0, cfg.max_lines + 1), READ_WINDOW):
             window = range(start, min(start + READ_WINDOW, count or 0))
             for number, raw in zip(window, await self.store.read_lines(file_id, window),
@@ -149,15 +159,16 @@ class Runner:
     async def model_problems(self, model: str, endpoint: str) -> list[dict[str, Any]]:
         known, kind = await self.kind_of(model)
         if not known:
-            return [problem("model_not_found", f"the model {model!r} does not exist",
-                            "body.model")]
+            return [lines.problem("model_not_found", f"the model {model!r} does not exist",
+                                  "body.model")]
         if kind is not None and kind is not lines.ENDPOINTS[endpoint]:
-            return [problem("invalid_model", f"the model {model!r} is a {kind.value} model, "
-                            f"which {endpoint} does not serve", "body.model")]
+            return [lines.problem("invalid_model", f"the model {model!r} is a {kind.value} "
+                                  f"model, which {endpoint} does not serve", "body.model")]
         return []
 
-    async def advance(self, batch_id: str, meta: dict[bytes, bytes]) -> None:
-        """Settle the replies in hand, finish if every line is answered, else admit."""
+    async def advance(self, batch_id: str, meta: dict[bytes, bytes]) -> bool:
+        """Settle the replies in hand, finish if every line is answered, else admit;
+        whether lines were settled or admitted."""
         cfg, now_ms = self.config, int(time.time() * 1000)
         replies, done, flying, due, waiting = await self.store.progress(
             batch_id, cfg.window * 4, now_ms, cfg.window)
@@ -170,10 +181,11 @@ class Runner:
         if answered >= total:
             await self.store.finish(batch_id, objects.COMPLETED, int(now_ms / 1000), True, [])
             log.info("batch_completed", batch=batch_id, lines=total)
-            return
+            return True
         # in the model's stream or being computed: in flight, no reply yet, not due again
         queued = flying - waiting - len(due)
-        await self.admit(batch_id, meta, flying - len(due), due, queued)
+        admitted = await self.admit(batch_id, meta, flying - len(due), due, queued)
+        return bool(replies) or admitted > 0
 
     async def settle_replies(self, batch_id: str, meta: dict[bytes, bytes],
                              replies: list[bytes], done: bytes) -> int:
@@ -203,8 +215,9 @@ class Runner:
                                        result.kept, result.dropped)
 
     async def admit(self, batch_id: str, meta: dict[bytes, bytes], flying: int,
-                    due: list[int], queued: int) -> None:
-        """The next window: lines due again first, then new ones, as the backlog allows."""
+                    due: list[int], queued: int) -> int:
+        """The next window: lines due again first, then new ones, as the backlog allows;
+        how many lines went."""
         cfg = self.config
         model = objects.text(meta, "model") or ""
         client = self.client(model)
@@ -214,17 +227,17 @@ class Runner:
         room = min(window - max(flying, 0),
                    backlog_room(cfg.max_backlog, cfg.busy_backlog, backlog, queued))
         if room <= 0:
-            return
+            return 0
         cursor, total = objects.integer(meta, "cursor") or 0, objects.integer(meta, "total") or 0
         again = due[:room]
         fresh = list(range(cursor, min(total, cursor + room - len(again))))
         attempts = [a + 1 for a in await self.store.attempts(batch_id, again)] + [1] * len(fresh)
         chosen = again + fresh
-        if not chosen:
-            return
-        raws = await self.store.read_lines(objects.text(meta, "input_file_id") or "", chosen)
-        await self.send(batch_id, meta, client, list(zip(chosen, attempts, raws, strict=True)),
-                        cursor + len(fresh))
+        if chosen:
+            raws = await self.store.read_lines(objects.text(meta, "input_file_id") or "", chosen)
+            await self.send(batch_id, meta, client,
+                            list(zip(chosen, attempts, raws, strict=True)), cursor + len(fresh))
+        return len(chosen)
 
     async def send(self, batch_id: str, meta: dict[bytes, bytes], client: AsyncClient,
                    chosen: list[tuple[int, int, bytes | None]], cursor: int) -> None:
@@ -285,7 +298,3 @@ class Runner:
 def holder_name(role: str) -> str:
     """A runner's lease holder: unique, and saying which process holds a batch."""
     return f"{role}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def problem(code: str, message: str, param: str | None) -> dict[str, Any]:
-    return {"code": code, "message": message, "param": param, "line": None}

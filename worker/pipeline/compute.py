@@ -143,6 +143,7 @@ class ComputeLoop:
                                   batch.longest, compute_s * 1000, now_ms)
             fit = self.latency.model.fit(batch.bucket)
             fixed, per_token = fit.fixed, fit.per_token
+            self.batcher.finished(batch, compute_s * 1000, int(now_ms))
             if self.batcher.targeted is not None:
                 self.batcher.targeted.finished(batch, compute_s * 1000)
             if self.controller is not None:

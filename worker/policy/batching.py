@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from worker.policy.background import BackgroundPacing
 from worker.policy.buckets import BatchLimits, Bucket, Pending, bucket_of, take_members
 from worker.policy.flow import entry_time_ms
 
@@ -88,16 +89,17 @@ class Batcher:
     batch of them beats several of one; at saturation batches leave full and stay apart.
 
     Background requests (priority below 0, batch jobs' lines) fill what online traffic
-    leaves, but a batch is not preemptible: while an online request arrived within
-    `background_quiet_ms`, a batch holds at most `background_rows` of them and absorbs no
-    bucket holding any, so an online request waits behind a short batch at most; once
-    online traffic is quiet, background batches are as large as the limits allow.
+    leaves (background.py): while online requests keep arriving, a batch holds a few of
+    them and absorbs no bucket holding any, and batches of them alone are paced to a share
+    of the time; once online traffic is quiet, background batches are as large as the
+    limits allow.
     """
 
     def __init__(self, boundaries: Sequence[int], limits: BatchLimits,
                  caps: Callable[[int], BatchLimits] | None = None,
                  merge_tokens: int = 0, targeted: DispatchRule | None = None,
-                 background_rows: int = 0, background_quiet_ms: int = 1000) -> None:
+                 background_rows: int = 0, background_quiet_ms: int = 1000,
+                 background_share: float = 1.0) -> None:
         """`targeted`: a rule that dispatches for a latency target instead of by max_wait
         (targeted.py; or the cork baseline's, cork.py). `background_rows` 0: no cap."""
         self.boundaries = list(boundaries)
@@ -105,17 +107,12 @@ class Batcher:
         self.caps = caps
         self.merge_tokens = merge_tokens
         self.targeted = targeted
-        self.background_rows, self.background_quiet_ms = background_rows, background_quiet_ms
+        self.background = BackgroundPacing(background_rows, background_quiet_ms,
+                                           background_share)
         self.buckets = [Bucket() for _ in range(len(self.boundaries) + 1)]
         self._seq = 0
         self._size = 0
-        self._online_ms = -(1 << 62)  # when the last online request arrived
         self.background_cap: int | None = None  # the cap of the batch being formed
-
-    def background_rows_at(self, now_ms: int) -> int | None:
-        """The most background requests a batch formed now may hold (None: no cap)."""
-        recent = now_ms - self._online_ms < self.background_quiet_ms
-        return self.background_rows if self.background_rows and recent else None
 
     def __len__(self) -> int:
         return self._size
@@ -129,7 +126,7 @@ class Batcher:
         self.buckets[index].add(pending)
         self._size += 1
         if pending.request.priority >= 0:
-            self._online_ms = max(self._online_ms, pending.enqueued_ms)
+            self.background.online_arrived(pending.enqueued_ms)
         if self.targeted is not None:
             self.targeted.arrived(index, pending)
         return index
@@ -152,11 +149,13 @@ class Batcher:
         `expired`, to be answered without compute; a batch may then have no members.
         `start_in_ms`: how long until the asking instance is free (latency target only).
         """
-        self.background_cap = self.background_rows_at(now_ms)
+        self.background_cap = self.background.cap(now_ms)
         if self.targeted is not None:
             return self.targeted.next_batch(self, now_ms, flush, start_in_ms)
+        held = self.background.held_ms(now_ms) > 0
         ready = [(b.background_only(), b.oldest_read_at(), i)
-                 for i, b in enumerate(self.buckets) if self._is_ready(i, now, flush)]
+                 for i, b in enumerate(self.buckets) if self._is_ready(i, now, flush)
+                 and not (held and b.background_only())]
         if not ready:
             return None
         *_, index = min(ready)
@@ -205,5 +204,13 @@ class Batcher:
         target: until some bucket must leave); None when empty."""
         if self.targeted is not None:
             return self.targeted.seconds_until_ready(self, now_ms)
-        waits = [b.oldest_read_at() + self.limits.max_wait_s - now for b in self.buckets if b.items]
+        held_s = self.background.held_ms(now_ms) / 1000
+        waits = [max(b.oldest_read_at() + self.limits.max_wait_s - now,
+                     held_s if b.background_only() else 0.0)
+                 for b in self.buckets if b.items]
         return max(0.0, min(waits)) if waits else None
+
+    def finished(self, batch: Batch, compute_ms: float, now_ms: int) -> None:
+        """A batch computed: one of background requests alone paces the next such."""
+        alone = bool(batch.members) and all(p.request.priority < 0 for p in batch.members)
+        self.background.finished(alone, compute_ms, now_ms)

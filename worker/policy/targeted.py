@@ -65,9 +65,9 @@ class TargetedDispatch:
         """Of the buckets ready to leave, the one with the least slack goes first (earliest
         deadline first, so no bucket starves); it absorbs other whole buckets within its
         slack (keeps_slack)."""
-        ready = []
+        ready, held = [], batcher.background.held_ms(now_ms) > 0
         for index, bucket in enumerate(batcher.buckets):
-            if bucket.items:
+            if bucket.items and not (held and bucket.background_only()):
                 decision = self.decide(batcher, index, now_ms, flush, start_in_ms)
                 if decision.ready:
                     ready.append((bucket.background_only(), bucket.items[0].enqueued_ms,
@@ -105,11 +105,12 @@ class TargetedDispatch:
         return keeps
 
     def seconds_until_ready(self, batcher: Batcher, now_ms: int) -> float | None:
-        waits = [self.decide(batcher, index, now_ms, False, 0.0)
-                 for index, bucket in enumerate(batcher.buckets) if bucket.items]
-        if not waits:
-            return None
-        return min(0.0 if d.ready else (d.wait_ms or 0.0) / 1000 for d in waits)
+        held_ms = batcher.background.held_ms(now_ms)
+        waits = [max(0.0 if d.ready else d.wait_ms or 0.0,
+                     held_ms if bucket.background_only() else 0.0)
+                 for index, bucket in enumerate(batcher.buckets) if bucket.items
+                 for d in [self.decide(batcher, index, now_ms, False, 0.0)]]
+        return min(waits) / 1000 if waits else None
 
     def admit(self, batcher: Batcher, pending: Pending, now_ms: float) -> Admission:
         """Whether a request just read can be served in time, given the queue ahead."""

@@ -68,3 +68,51 @@ def test_a_bucket_with_an_online_request_goes_before_an_older_background_one() -
     b.add(pending(9, 0, length=4, at_ms=1_000))
     batch = b.next_batch(1.0, 1_100)
     assert batch is not None and [p.request.priority for p in batch.members] == [0]
+
+
+def paced(share: float) -> Batcher:
+    return Batcher([8], BatchLimits(16, 10_000, 0.0), merge_tokens=10_000,
+                   background_rows=2, background_quiet_ms=1000, background_share=share)
+
+
+def test_batches_of_background_alone_take_their_share_of_the_time() -> None:
+    b = paced(0.25)
+    b.add(pending(0, 0, at_ms=1_000))
+    for n in range(10):
+        b.add(pending(n + 1, -1, at_ms=1_000))
+    b.next_batch(1.0, 1_000)  # the online one, with 2 background
+    alone = b.next_batch(1.0, 1_010)
+    assert alone is not None and len(alone.members) == 2
+    b.finished(alone, 20.0, 1_030)  # 20 ms of compute: 60 ms of rest at a share of 0.25
+    assert b.next_batch(1.0, 1_050) is None
+    assert b.seconds_until_ready(1.0, 1_050) == 0.04
+    again = b.next_batch(1.0, 1_090)
+    assert again is not None and len(again.members) == 2
+
+
+def test_an_online_request_is_not_held_by_the_pacing() -> None:
+    b = paced(0.25)
+    for n in range(4):
+        b.add(pending(n, -1, at_ms=1_000))
+    b.add(pending(9, 0, at_ms=1_000))
+    assert b.next_batch(1.0, 1_000) is not None  # the online one, with 2 background
+    alone = b.next_batch(1.0, 1_000)
+    assert alone is not None
+    b.finished(alone, 100.0, 1_100)
+    b.add(pending(10, 0, at_ms=1_110))
+    batch = b.next_batch(1.0, 1_110)
+    assert batch is not None and [p.request.priority for p in batch.members] == [0]
+
+
+def test_quiet_online_traffic_lifts_the_pacing() -> None:
+    b = paced(0.1)
+    b.add(pending(0, 0, at_ms=1_000))
+    for n in range(40):
+        b.add(pending(n + 1, -1, at_ms=1_000))
+    b.next_batch(1.0, 1_000)
+    alone = b.next_batch(1.0, 1_000)
+    assert alone is not None
+    b.finished(alone, 500.0, 1_500)  # 4.5 s of rest, but online is quiet from 2 s
+    assert b.seconds_until_ready(1.0, 1_600) == 0.4
+    batch = b.next_batch(1.0, 2_000)
+    assert batch is not None and len(batch.members) == 16
