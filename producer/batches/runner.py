@@ -48,7 +48,7 @@ KindOf = Callable[[str], Awaitable[tuple[bool, Kind | None]]]  # model -> (known
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     window: int = 256  # lines of one batch in flight at most
-    max_backlog: int = 64  # admit only while the model's stream holds fewer unacked entries
+    max_backlog: int = 256  # admit only while the model's stream holds fewer unacked entries
     busy_backlog: int = 2  # the batch's own lines queued, while online requests are queued too
     lease_s: float = 15.0
     flight_timeout_s: float = 900.0  # a line admitted this long ago, unanswered, goes again

@@ -59,7 +59,7 @@ class GatewaySettings(BaseSettings):
     batch_runner: bool = Field(True, description=(
         "run batch jobs in this gateway (a lease per batch: any number of gateways may)"))
     batch_window: int = Field(256, gt=0, description="lines of one batch in flight at most")
-    batch_max_backlog: int = Field(64, gt=0, description=(
+    batch_max_backlog: int = Field(256, gt=0, description=(
         "admit batch lines only while the model's stream holds fewer unacked requests"))
     batch_busy_backlog: int = Field(2, gt=0, description=(
         "most batch lines queued while online requests are queued too"))

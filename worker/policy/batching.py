@@ -211,6 +211,6 @@ class Batcher:
         return max(0.0, min(waits)) if waits else None
 
     def finished(self, batch: Batch, compute_ms: float, now_ms: int) -> None:
-        """A batch computed: one of background requests alone paces the next such."""
-        alone = bool(batch.members) and all(p.request.priority < 0 for p in batch.members)
-        self.background.finished(alone, compute_ms, now_ms)
+        """A batch computed: the time its background rows took paces the next ones."""
+        background = sum(p.request.priority < 0 for p in batch.members)
+        self.background.finished(background, len(batch.members), compute_ms, now_ms)

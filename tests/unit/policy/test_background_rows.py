@@ -116,3 +116,19 @@ def test_quiet_online_traffic_lifts_the_pacing() -> None:
     assert b.seconds_until_ready(1.0, 1_600) == 0.4
     batch = b.next_batch(1.0, 2_000)
     assert batch is not None and len(batch.members) == 16
+
+
+def test_background_rows_beside_online_ones_are_paid_for_too() -> None:
+    b = paced(0.5)
+    for n in range(10):
+        b.add(pending(n, -1, at_ms=1_000))
+    b.add(pending(20, 0, at_ms=1_000))
+    first = b.next_batch(1.0, 1_000)
+    assert first is not None and len(first.members) == 3
+    b.finished(first, 30.0, 1_030)  # 2 of 3 rows background: 20 ms, then 20 ms of rest
+    b.add(pending(21, 0, at_ms=1_040))
+    held = b.next_batch(1.0, 1_040)
+    assert held is not None and [p.request.priority for p in held.members] == [0]
+    b.add(pending(22, 0, at_ms=1_050))
+    riding = b.next_batch(1.0, 1_050)
+    assert riding is not None and [p.request.priority for p in riding.members] == [0, -1, -1]
