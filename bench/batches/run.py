@@ -10,7 +10,8 @@ Two figures:
   median of the repeats' batch / producer rates.
 - latency beside a batch: single-text online calls to /v1/embeddings at Poisson times, at
   half the rate the producer path sustained, for `--online-s` seconds, alone and then with
-  a batch of N lines running; the p99 of each and the lines the batch did meanwhile.
+  a batch of N lines running, `--latency-rounds` times; the p99 of each phase, the median
+  of the rounds' p99 ratios, and the lines the batch did meanwhile.
 
 Writes bench/results/batches/<machine>.json (with `--out`) and prints it.
 """
@@ -45,10 +46,12 @@ from worker.streams.server import RedisServer
 
 
 class PeakRss:
-    """The largest RSS of some processes (and their children), sampled in a thread."""
+    """The largest RSS of some processes (and their children), sampled in a thread, and
+    the CPU seconds each used meanwhile (where the batch path's overhead goes)."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids, self.peak = pids, dict.fromkeys(pids, 0)
+        self.cpu = dict.fromkeys(pids, 0.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -57,18 +60,38 @@ class PeakRss:
             for name, pid in self.pids.items():
                 try:
                     root = psutil.Process(pid)
-                    rss = sum(p.memory_info().rss for p in [root, *root.children(True)])
+                    family = [root, *root.children(True)]
+                    rss = sum(p.memory_info().rss for p in family)
+                    cpu = sum(sum(p.cpu_times()[:2]) for p in family)
                 except psutil.Error:
                     continue
                 self.peak[name] = max(self.peak[name], rss)
+                self.cpu[name] = cpu
 
     def __enter__(self) -> PeakRss:
+        self._sample_once()
+        self.started = dict(self.cpu)
         self._thread.start()
         return self
+
+    def _sample_once(self) -> None:
+        for name, pid in self.pids.items():
+            try:
+                root = psutil.Process(pid)
+                self.cpu[name] = sum(sum(p.cpu_times()[:2])
+                                     for p in [root, *root.children(True)])
+            except psutil.Error:
+                continue
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds (user + system) each process used while sampled."""
+        return {name: round(self.cpu[name] - self.started.get(name, 0.0), 2)
+                for name in self.pids}
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self._sample_once()
 
     def mib(self) -> dict[str, float]:
         return {name: round(rss / 2**20, 1) for name, rss in self.peak.items()}
@@ -92,7 +115,8 @@ def via_producer(redis_url: str, texts: list[str], tmp: Path, pids: dict[str, in
         assert process.wait() == 0, "python -m producer failed"
     seconds = time.perf_counter() - started
     assert len(out.read_text().splitlines()) == len(texts)
-    return {"lines_per_s": len(texts) / seconds, "seconds": seconds, "peak_rss_mib": rss.mib()}
+    return {"lines_per_s": len(texts) / seconds, "seconds": seconds, "peak_rss_mib": rss.mib(),
+            "cpu_s": rss.cpu_s()}
 
 
 def via_batch_api(base_url: str, texts: list[str], pids: dict[str, int]) -> dict[str, Any]:
@@ -111,7 +135,8 @@ def via_batch_api(base_url: str, texts: list[str], pids: dict[str, int]) -> dict
         seconds = time.perf_counter() - started
     assert batch["request_counts"]["completed"] == len(texts), batch
     return {"lines_per_s": len(texts) / seconds, "seconds": seconds,
-            "upload_s": started - up, "peak_rss_mib": rss.mib(), "batch": batch["id"]}
+            "upload_s": started - up, "peak_rss_mib": rss.mib(), "cpu_s": rss.cpu_s(),
+            "batch": batch["id"]}
 
 
 async def online(base_url: str, texts: list[str], rate: float, seconds: float
@@ -144,8 +169,18 @@ async def online(base_url: str, texts: list[str], rate: float, seconds: float
             "p99_ms": percentile(latencies, 99) * 1000}
 
 
-def latency_beside_a_batch(base_url: str, texts: list[str], rate: float, seconds: float
-                           ) -> dict[str, Any]:
+def latency_beside_a_batch(base_url: str, texts: list[str], rate: float, seconds: float,
+                           rounds: int) -> dict[str, Any]:
+    """`rounds` pairs of online phases, alone then beside a new batch (cancelled after):
+    paired phases side by side, so the machine's drift falls on both."""
+    pairs = [one_round(base_url, texts, rate, seconds) for _ in range(rounds)]
+    ratios = [p["p99_ratio"] for p in pairs if p["p99_ratio"] is not None]
+    return {"online_rate_per_s": rate, "rounds": pairs,
+            "p99_ratio": median(ratios) if ratios else None,
+            "batch_lines_per_s": median([p["batch_lines_per_s"] for p in pairs])}
+
+
+def one_round(base_url: str, texts: list[str], rate: float, seconds: float) -> dict[str, Any]:
     alone = asyncio.run(online(base_url, texts, rate, seconds))
     file_id = httpx.post(f"{base_url}/v1/files", data={"purpose": "batch"}, timeout=300,
                          files={"file": ("in.jsonl", io.BytesIO(batch_lines(texts)))}
@@ -156,8 +191,10 @@ def latency_beside_a_batch(base_url: str, texts: list[str], rate: float, seconds
     beside = asyncio.run(online(base_url, texts, rate, seconds))
     batch = httpx.get(f"{base_url}/v1/batches/{batch_id}").json()
     httpx.post(f"{base_url}/v1/batches/{batch_id}/cancel")
+    while httpx.get(f"{base_url}/v1/batches/{batch_id}").json()["status"] == "cancelling":
+        time.sleep(0.1)  # its lines still queued run out before the next round's alone phase
     done = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
-    return {"online_rate_per_s": rate, "alone": alone, "beside_batch": beside,
+    return {"alone": alone, "beside_batch": beside,
             "p99_ratio": beside["p99_ms"] / alone["p99_ms"] if alone["p99_ms"] else None,
             "batch_lines_done_meanwhile": done, "batch_lines_per_s": done / seconds}
 
@@ -202,7 +239,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ratios = [b["lines_per_s"] / p["lines_per_s"]
                   for b, p in zip(runs["batch_api"], runs["producer"], strict=True)]
         rate = median([r["lines_per_s"] for r in runs["producer"]]) * args.load
-        latency = latency_beside_a_batch(base_url, texts, rate, args.online_s)
+        latency = latency_beside_a_batch(base_url, texts, rate, args.online_s,
+                                         args.latency_rounds)
     return {"machine": describe_machine(), "lines": args.lines, "runs": runs,
             "median_lines_per_s": {p: median([r["lines_per_s"] for r in rs])
                                    for p, rs in runs.items()},
@@ -218,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--online-s", type=float, default=20.0)
     parser.add_argument("--load", type=float, default=0.5, help="online rate / capacity")
+    parser.add_argument("--latency-rounds", type=int, default=2, help=(
+        "pairs of online phases, alone then beside a batch"))
     parser.add_argument("--separate-runner", action="store_true", help=(
         "the batch runner as `python -m producer batches`, not in the gateway's process"))
     parser.add_argument("--out", type=Path, default=None)
