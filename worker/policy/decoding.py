@@ -12,9 +12,11 @@ its tokens so far. No request is lost.
 Order: higher priority first, then oldest. A waiting sequence that has waited `max_wait_steps`
 steps is aged: it goes before every unaged one whatever their priority, and while the first
 in line cannot be admitted, nothing behind it is (so memory frees up for it as running
-sequences finish). A waiting sequence is therefore admitted within `max_wait_steps` plus the
-steps the sequences running then need to finish (at most their `max_new_tokens` plus one;
-with `prefill_first`, (1 + `prefill_streak`) times that, as up to `prefill_streak` steps in
+sequences finish). Background sequences (priority < 0: batch jobs' lines) give their seats
+to online requests that wait for one, each at most once (it is recomputed).
+A waiting sequence is therefore admitted within `max_wait_steps` plus the steps the
+sequences running then need to finish (at most their `max_new_tokens` plus one; with
+`prefill_first`, (1 + `prefill_streak`) times that, as up to `prefill_streak` steps in
 a row may go to admissions alone).
 
 Token accounting: a sequence's tokens are its prompt and what it generated. `computed` of
@@ -167,6 +169,7 @@ class DecodingScheduler:
         plan = StepPlan()
         while len(self.running) > self.caps.seqs:  # the cap was cut: the newest wait again
             self._preempt(plan, self.running[-1])
+        self._yield_to_online(plan)
         budget = self.caps.tokens
         free = self.limits.kv_tokens - self.used_tokens
         prefill_only = False
@@ -198,6 +201,18 @@ class DecodingScheduler:
             (plan.decode if seq.total - seq.computed == 1 else plan.prefill).append(work)
             budget, free, index = budget - n, free - n, index + 1
         return budget, free
+
+    def _yield_to_online(self, plan: StepPlan) -> None:
+        """Online requests waiting for a seat take those of the newest background sequences
+        (priority < 0: batch jobs' lines) never preempted before: batch lines fill the
+        seats online traffic leaves, and each is recomputed at most once for it."""
+        short = sum(s.priority >= 0 for s in self.waiting) - (self.caps.seqs - len(self.running))
+        for seq in reversed(list(self.running)):
+            if short <= 0:
+                return
+            if seq.priority < 0 and not seq.preemptions:
+                self._preempt(plan, seq)
+                short -= 1
 
     def _preempt(self, plan: StepPlan, seq: SeqState) -> int:
         """Drop its cache; it waits again in its old place. Returns the tokens freed."""

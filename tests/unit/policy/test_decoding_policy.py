@@ -243,3 +243,35 @@ def test_prefill_streak_lets_an_arrival_during_a_prefill_have_its_own_step_too()
 def test_prefill_streak_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="prefill_streak"):
         SchedulerLimits(prefill_streak=0)
+
+
+def test_an_online_request_takes_the_seat_of_the_newest_background_sequence_once() -> None:
+    sched = scheduler(max_seqs=2, max_wait_steps=1000)
+    sched.add(SeqState("bg-old", 2, 50, priority=-1))
+    sched.add(SeqState("bg-new", 2, 50, priority=-1))
+    sched.schedule()
+    sched.update()
+    sched.add(SeqState("online", 2, 3))
+    plan = sched.schedule()
+    assert plan.preempted == ["bg-new"] and plan.admitted == ["online"]
+    sched.update()
+    sched.add(SeqState("online-2", 2, 3))
+    plan = sched.schedule()  # bg-new waits; bg-old keeps its seat until online leaves
+    assert plan.preempted == ["bg-old"] and plan.admitted == ["online-2"]
+    finished = drive(sched)
+    assert set(finished) == {"online", "online-2", "bg-old", "bg-new"}
+
+
+def test_a_background_sequence_preempted_once_keeps_its_seat() -> None:
+    sched = scheduler(max_seqs=1, max_wait_steps=1000)
+    sched.add(SeqState("bg", 2, 20, priority=-1))
+    sched.schedule()
+    sched.update()
+    sched.add(SeqState("online", 2, 2))
+    assert sched.schedule().preempted == ["bg"]
+    sched.update()
+    while sched.running and sched.running[0].id != "bg":
+        sched.schedule()
+        sched.update()
+    sched.add(SeqState("online-2", 2, 2))
+    assert sched.schedule().preempted == []
