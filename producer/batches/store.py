@@ -15,6 +15,7 @@ from producer.batches import keys, scripts
 from producer.batches.keys import BatchKeys
 
 READ_WINDOW = 1000  # lines per round trip when a file is read or written
+UPLOAD_TTL_MS = 3_600_000  # an upload's lines, until it is published
 
 
 class BatchStore:
@@ -32,18 +33,25 @@ class BatchStore:
     # --- files -----------------------------------------------------------------------------
 
     async def save_lines(self, file_id: str, start: int, lines: Sequence[bytes]) -> None:
-        """Lines `start`.. of an upload not yet published (invisible until publish_file)."""
+        """Lines `start`.. of an upload not yet published (invisible until publish_file);
+        they expire UPLOAD_TTL_MS after the last window unless published (a client that
+        broke off its upload leaves nothing behind)."""
         _, content = keys.file_keys(self.namespace, file_id)
-        await self.redis.hset(content, mapping={start + i: raw for i, raw in enumerate(lines)})
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(content, mapping={start + i: raw for i, raw in enumerate(lines)})
+            pipe.pexpire(content, UPLOAD_TTL_MS)
+            await pipe.execute()
 
     async def publish_file(self, meta: dict[str, Any]) -> None:
-        """The file's object, then its place in the owner's list."""
-        found, _ = keys.file_keys(self.namespace, meta["id"])
-        async with self.redis.pipeline(transaction=False) as pipe:
+        """The file's object with its lines kept for good (one slot, one transaction),
+        then its place in the owner's list."""
+        found, content = keys.file_keys(self.namespace, meta["id"])
+        async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(found, mapping=meta)
-            pipe.zadd(keys.file_index(self.namespace, meta["owner"]),
-                      {meta["id"]: meta["created_ms"]})
+            pipe.persist(content)
             await pipe.execute()
+        await self.redis.zadd(keys.file_index(self.namespace, meta["owner"]),
+                              {meta["id"]: meta["created_ms"]})
 
     async def file_meta(self, file_id: str) -> dict[bytes, bytes]:
         found, _ = keys.file_keys(self.namespace, file_id)

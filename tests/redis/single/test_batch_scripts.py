@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from producer.batches import keys, scripts
 from producer.batches.runner import STALE_MS, Runner, RunnerConfig
-from producer.batches.store import BatchStore
+from producer.batches.store import UPLOAD_TTL_MS, BatchStore
 
 
 def test_a_line_is_answered_once_and_the_batch_finishes_with_its_files(r: redis.Redis) -> None:
@@ -89,3 +89,22 @@ def test_a_runner_waits_for_a_create_under_way_and_drops_one_that_was_lost(r: re
 
     asyncio.run(one_round())
     assert r.zrange(active, 0, -1) == [b"batch_new"]
+
+
+def test_an_upload_broken_off_expires_and_a_published_one_is_kept(r: redis.Redis,
+                                                                   redis_url: str) -> None:
+    async def save(file_id: str, publish: bool) -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        store = BatchStore(client, "redbatch")
+        await store.save_lines(file_id, 0, [b'{"a": 1}', b'{"a": 2}'])
+        if publish:
+            await store.publish_file({"id": file_id, "owner": "public", "created_ms": 1,
+                                      "lines": 2})
+        await client.aclose()
+
+    broken, published = keys.new_file_id(), keys.new_file_id()
+    asyncio.run(save(broken, publish=False))
+    asyncio.run(save(published, publish=True))
+    assert 0 < r.pttl(keys.file_keys("redbatch", broken)[1]) <= UPLOAD_TTL_MS
+    assert r.pttl(keys.file_keys("redbatch", published)[1]) == -1
+    assert r.hlen(keys.file_keys("redbatch", published)[1]) == 2
