@@ -70,8 +70,7 @@ class Runner:
         self.pacing: dict[str, Pacing] = {}  # batch -> its window (AIMD on shed lines)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Step every batch this runner can hold until `stop`; a failure is logged and the
-        batch tried again next round (its lease lapses if this runner keeps failing)."""
+        """Step the batches until `stop`; a failure is logged, the batch tried next round."""
         while not stop.is_set():
             moved = False
             try:
@@ -184,26 +183,26 @@ class Runner:
             return True
         # in the model's stream or being computed: in flight, no reply yet, not due again
         queued = flying - waiting - len(due)
-        admitted = await self.admit(batch_id, meta, flying - len(due), due, queued)
-        return bool(replies) or admitted > 0
+        return await self.admit(batch_id, meta, flying - len(due), due, queued) > 0 or bool(replies)
 
     async def settle_replies(self, batch_id: str, meta: dict[bytes, bytes],
                              replies: list[bytes], done: bytes) -> int:
         if not replies:
             return 0
-        envelopes, wanted = envelopes_of(replies)
+        # CPU work, in a thread: the event loop (online calls) gets the GIL between slices
+        envelopes, wanted = await asyncio.to_thread(envelopes_of, replies)
         if not wanted:  # none of this batch's: drop them
             return await self.save(batch_id, len(replies), Settlement())
         file_id = objects.text(meta, "input_file_id") or ""
         raws = dict(zip(wanted, await self.store.read_lines(file_id, wanted), strict=True))
         created, now_ms = objects.integer(meta, "created_at") or 0, int(time.time() * 1000)
-        result = settle(batch_id, envelopes, raws, done, self.config.max_inputs, created,
-                        now_ms, self.config.retry_ms)
+        args = (batch_id, envelopes, raws, done, self.config.max_inputs, created, now_ms,
+                self.config.retry_ms)
+        result = await asyncio.to_thread(settle, *args)
         if result.needs_parts:  # a line of several requests: the parts seen before
             stored = await self.store.parts(batch_id, result.needs_parts)
-            result = settle(batch_id, envelopes, raws, done, self.config.max_inputs, created,
-                            now_ms, self.config.retry_ms,
-                            dict(zip(result.needs_parts, stored, strict=True)))
+            result = await asyncio.to_thread(
+                settle, *args, dict(zip(result.needs_parts, stored, strict=True)))
         pacing = self.pacing.setdefault(batch_id, Pacing(self.config.window))
         pacing.settled(len(result.answers), len(result.retries))
         return await self.save(batch_id, len(replies), result)
@@ -233,10 +232,11 @@ class Runner:
         fresh = list(range(cursor, min(total, cursor + room - len(again))))
         attempts = [a + 1 for a in await self.store.attempts(batch_id, again)] + [1] * len(fresh)
         chosen = again + fresh
-        if chosen:
-            raws = await self.store.read_lines(objects.text(meta, "input_file_id") or "", chosen)
-            await self.send(batch_id, meta, client,
-                            list(zip(chosen, attempts, raws, strict=True)), cursor + len(fresh))
+        if not chosen:
+            return 0
+        raws = await self.store.read_lines(objects.text(meta, "input_file_id") or "", chosen)
+        await self.send(batch_id, meta, client, list(zip(chosen, attempts, raws, strict=True)),
+                        cursor + len(fresh))
         return len(chosen)
 
     async def send(self, batch_id: str, meta: dict[bytes, bytes], client: AsyncClient,
