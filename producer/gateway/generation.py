@@ -39,6 +39,7 @@ from producer.gateway.generation_shapes import (
     parse_completion_request,
     usage_chunk,
 )
+from producer.gateway.logprob_shapes import shaped, text_length
 from producer.gateway.metrics import FOREIGN_ENVELOPES
 from producer.liveness import Kind
 from producer.request_base import block_slices
@@ -175,6 +176,7 @@ class StreamReply:
         self.created = int(time.time())
         self.deadline = time.monotonic() + generations.timeout_s
         self.param = "messages" if request.kind == CHAT else "prompt"
+        self.offset = 0  # completions' text_offset of the next chunk's first token
 
     async def first(self) -> list[Entry]:
         """The first entries, before the response starts: errors are HTTP errors then."""
@@ -198,7 +200,7 @@ class StreamReply:
                 for _, envelope in entries:
                     if envelope["type"] != "done":
                         sent += 1
-                        yield sse(self._chunk(str(envelope.get("text", ""))))
+                        yield sse(self._delta(envelope))
                         continue
                     finished = True  # deleted before the client can see the end
                     await self.generations.redis.delete(self.key)
@@ -216,6 +218,14 @@ class StreamReply:
     def _chunk(self, text: str | None, reason: str | None = None,
                first: bool = False) -> dict[str, Any]:
         return chunk(self.request, self.request_id, self.created, text, reason, first)
+
+    def _delta(self, envelope: dict[str, Any]) -> dict[str, Any]:
+        """A delta's chunk, with its tokens' logprobs where the worker sent them."""
+        records = envelope.get("logprobs")
+        logprobs = shaped(self.request.kind == CHAT, records, self.offset)
+        self.offset += text_length(records)
+        return chunk(self.request, self.request_id, self.created,
+                     str(envelope.get("text", "")), logprobs=logprobs)
 
     def _done(self, envelope: dict[str, Any]) -> list[bytes]:
         if not envelope.get("ok"):

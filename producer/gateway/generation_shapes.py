@@ -14,12 +14,13 @@ from typing import Any
 
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from producer.gateway.errors import invalid, refuse_unsupported
+from producer.gateway.logprob_shapes import CHAT_LOGPROB_FIELDS, logprob_fields, shaped
 from producer.gateway.penalty_fields import PENALTY_FIELDS, penalty_fields
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                  "stream_options", "n", "user", *PENALTY_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", *CHAT_LOGPROB_FIELDS}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 MESSAGE_FIELDS = {"role", "content", "name"}
 ROLES = {"system": "system", "developer": "system", "user": "user",
          "assistant": "assistant"}  # OpenAI's newer "developer" is a system message
@@ -88,6 +89,7 @@ def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any]) -> Gene
     if not isinstance(stream, bool):
         raise invalid("'stream' must be a boolean", "stream")
     payload.update(sampling_fields(fields))
+    payload.update(logprob_fields(kind == CHAT, fields))
     payload["stream"] = stream
     return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream))
 
@@ -216,7 +218,8 @@ def completion_response(request: GenerationRequest, request_id: str, created: in
                         result: dict[str, Any]) -> dict[str, Any]:
     """The non-streamed answer: a chat.completion or a text_completion."""
     text, reason = str(result.get("text", "")), openai_finish_reason(result.get("finish_reason"))
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason,
+                              "logprobs": shaped(request.kind == CHAT, result.get("logprobs"))}
     if request.kind == CHAT:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -226,9 +229,12 @@ def completion_response(request: GenerationRequest, request_id: str, created: in
 
 
 def chunk(request: GenerationRequest, request_id: str, created: int, text: str | None,
-          finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
-    """One stream chunk: text (None: none, as in the final chunk) and/or finish_reason."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+          finish_reason: str | None = None, first: bool = False,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stream chunk: text (None: none, as in the final chunk) and/or finish_reason;
+    `logprobs`: its tokens', shaped (logprob_shapes.py)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason,
+                              "logprobs": logprobs}
     if request.kind == CHAT:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:

@@ -103,7 +103,7 @@ def test_n_above_one_is_400(served: str) -> None:
     ("chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": 9},
      "temperature"),
     ("completions", {"model": MODEL, "prompt": [1, 2, 3]}, "prompt"),
-    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, "max_tokens"),
 ], ids=["unknown-field", "bad-messages", "five-stops", "hot", "token-ids", "logprobs",
         "worker-refuses-max-tokens"])

@@ -283,7 +283,7 @@ class GenerateLoop:
         """A sequence that ended (or was cancelled): its success answer."""
         seq = self.engine.drop(entry_id)
         assert seq is not None
-        return self.live.finished(entry_id, reason, seq.text)
+        return self.live.finished(entry_id, reason, seq.text, seq.logprobs)
 
     def _stop(self, entry_id: str, code: ErrorCode, message: str) -> Answer:
         """End one live request with an error, placed after its streamed chunks."""
