@@ -9,10 +9,11 @@ OpenAI's responses and stream chunks. A `null` optional field counts as absent.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from producer.gateway.choice_fields import parse_n, parse_prompts
 from producer.gateway.errors import invalid, refuse_unsupported
 from producer.gateway.logprob_shapes import CHAT_LOGPROB_FIELDS, logprob_fields, shaped
 from producer.gateway.penalty_fields import PENALTY_FIELDS, penalty_fields
@@ -41,6 +42,12 @@ class GenerationRequest:
     payload: dict[str, Any]
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices per prompt (choice_fields.py)
+    prompts: tuple[str, ...] = ()  # completions: every prompt (the payload holds the first)
+
+    @property
+    def choices(self) -> int:
+        return max(1, len(self.prompts)) * self.n
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
@@ -55,15 +62,9 @@ def parse_chat_request(body: Any) -> GenerationRequest:
 
 def parse_completion_request(body: Any) -> GenerationRequest:
     fields = _fields(body, COMPLETION_FIELDS)
-    prompt = fields.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        raise invalid("'prompt' must be one string: lists of prompts and token ids are not "
-                      "supported", "prompt", "unsupported_input")
-    if not isinstance(prompt, str):
-        raise invalid("'prompt' is required and must be a string", "prompt")
-    return _request(TEXT, fields, {"prompt": prompt})
+    prompts = parse_prompts(fields.get("prompt"))
+    request = _request(TEXT, fields, {"prompt": prompts[0]})
+    return replace(request, prompts=tuple(prompts)) if len(prompts) > 1 else request
 
 
 def _fields(body: Any, known: set[str]) -> dict[str, Any]:
@@ -78,11 +79,7 @@ def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any]) -> Gene
     model = fields.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
-    n = fields.get("n", 1)
-    if not _is_int(n) or n < 1:
-        raise invalid("'n' must be a positive integer", "n")
-    if n != 1:
-        raise invalid("only n = 1 is supported", "n", "unsupported_parameter")
+    n = parse_n(fields)
     if not isinstance(fields.get("user", ""), str):
         raise invalid("'user' must be a string", "user")
     stream = fields.get("stream", False)
@@ -91,7 +88,7 @@ def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any]) -> Gene
     payload.update(sampling_fields(fields))
     payload.update(logprob_fields(kind == CHAT, fields))
     payload["stream"] = stream
-    return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream))
+    return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream), n)
 
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:

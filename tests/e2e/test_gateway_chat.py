@@ -88,11 +88,11 @@ def test_seeded_sampling_is_reproducible(served: str) -> None:
     assert len(answers) == 1
 
 
-def test_n_above_one_is_400(served: str) -> None:
+def test_n_past_max_choices_is_400(served: str) -> None:
     with pytest.raises(openai.BadRequestError):
-        sdk(served).chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        sdk(served).chat.completions.create(model=MODEL, messages=MESSAGES, n=10_000)
     error = assert_openai_error(post(served, "chat/completions", {
-        "model": MODEL, "messages": MESSAGES, "n": 2}), 400, "unsupported_parameter")
+        "model": MODEL, "messages": MESSAGES, "n": 17}), 400, "invalid_request")
     assert error["param"] == "n" and error["type"] == "invalid_request_error"
 
 
