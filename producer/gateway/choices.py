@@ -8,8 +8,9 @@ and each delta becomes a chunk carrying its choice's `index`; a choice's `done` 
 finish chunk; once all are done, the usage chunk (stream_options) and `[DONE]`. A failure
 of one choice (before the response starts: its HTTP error) cancels the others.
 
-What this first version does not do: the prompt is prefilled once per choice, not once with
-its KV blocks shared by the n sequences (the worker sees n independent requests).
+Sample j > 0 of a prompt names sample 0 in its payload (`fork_of`): a worker that holds both
+prefills the prompt once and lets the others share its KV blocks (worker/execution/forks.py);
+each choice is still a request of its own (its reply stream, its resume after a crash).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from producer.gateway.generation_shapes import (
 )
 from producer.gateway.logprob_shapes import shaped, text_length
 from producer.gateway.metrics import FOREIGN_ENVELOPES
+from producer.request_base import new_request_id
 
 
 async def chat_completions(request: Request) -> Response:
@@ -80,10 +82,14 @@ async def route(request: Request, parsed: GenerationRequest) -> Response:
 async def submit_all(generations: Generations, parsed: GenerationRequest) -> list[str]:
     """Every choice's request, in choice order, in one call."""
     payloads = choice_payloads(parsed.payload, list(parsed.prompts) or None, parsed.n)
+    ids = [new_request_id() for _ in payloads]
+    for k, payload in enumerate(payloads):  # sample 0 of its prompt: the others' source
+        if k % parsed.n:
+            payload["fork_of"] = ids[k - k % parsed.n]
     deadline_ms = int(time.time() * 1000 + generations.timeout_s * 1000)
     client = generations.dispatcher.client(parsed.model)
     try:
-        return await client.submit_many(payloads, deadline_ms=deadline_ms)
+        return await client.submit_many(payloads, deadline_ms=deadline_ms, request_ids=ids)
     except Overloaded as exc:
         raise errors.overloaded(exc.backlog, exc.max_backlog) from None
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from worker.execution import logprobs
+from worker.execution import forks, logprobs
 from worker.execution.detokenize import Delta, TextState, decoder_of
 from worker.execution.executor import is_out_of_memory
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
@@ -73,6 +73,7 @@ class GenerationEngine:
         self.tokenizer = tokenizer
         self.decode = decoder_of(tokenizer)
         self.texts = logprobs.TokenTexts(tokenizer)  # the logprob records' token texts
+        self.shared_tokens = 0  # prompt tokens forks took from another's blocks (forks.py)
         self.device = device
         self.eos_ids = frozenset(eos_ids)
         self.seqs: dict[str, EngineSeq] = {}
@@ -88,11 +89,12 @@ class GenerationEngine:
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-            entropy: int = 0) -> None:
-        """`entropy`: seeds the draws of an unseeded sampling request."""
+            entropy: int = 0, fork_of: str | None = None) -> None:
+        """`entropy`: seeds the draws of an unseeded sampling request; `fork_of`: a sequence
+        of the same prompt whose blocks it may share (forks.py)."""
         seed = params.seed if params.seed is not None else entropy
-        self.seqs[seq_id] = EngineSeq(seq_id, list(prompt_ids),
-                                      TextState(params, self.eos_ids), seed)
+        self.seqs[seq_id] = EngineSeq(seq_id, list(prompt_ids), TextState(params, self.eos_ids),
+                                      seed, fork_of=fork_of)
 
     def knows(self, tokens: Sequence[int]) -> bool:
         """Whether every token is in the model's vocabulary (a resumed stream's tokens are
@@ -123,16 +125,14 @@ class GenerationEngine:
     def launch(self, plan: StepPlan,
                on_prefilled: Callable[[Delta], None] | None = None) -> Launched:
         """Run the plan's forwards and choose their tokens on the device; `finish` brings
-        them to the host. A decoding row whose input token is the previous launch's, not
-        finished yet, reads it on the device (staging.py): the host can finish step n while
-        the device runs step n + 1. `on_prefilled` is called with each prefilled sequence's
-        new token as soon as its own forward is done (the host waits for it then), before
-        the step's other forwards: its reply stream can carry a first token while the other
-        prefills run."""
+        them to the host. A decoding row whose input token is the previous launch's reads it
+        on the device (staging.py). `on_prefilled` gets each prefilled sequence's token as
+        soon as its own forward is done, before the step's other forwards run."""
         for seq_id in plan.preempted:
             self._forget(self.seqs[seq_id])
         decode = [w for w in plan.decode if w.start > 0]  # a 1-token prompt has no cache
-        prefill = plan.prefill + [w for w in plan.decode if w.start == 0]
+        prefill = forks.shared_prefill(self, plan.prefill + [w for w in plan.decode
+                                                             if w.start == 0])
         forwards = self._stage(prefill, decode)
         prefilling = len(forwards) - bool(decode)  # the forwards before the decoding one
         chosen: list[tuple[Forward, torch.Tensor]] = []

@@ -57,6 +57,7 @@ class GenerationInput:
     params: SamplingParams
     stream: bool
     redelivered: bool = False  # read before (claimed, or our own after a restart): may resume
+    fork_of: str | None = None  # a request of the same prompt it may share KV blocks with
 
 
 def prompt_of(payload: Any) -> str | list[dict[str, str]]:
@@ -85,6 +86,13 @@ def wants_stream(payload: Any) -> bool:
     if not isinstance(payload, dict):
         return True
     return payload.get("stream") is not False
+
+
+def fork_of(payload: Any) -> str | None:
+    """`fork_of`: the id of a request with the same prompt (another choice of the same
+    call, producer/gateway/choice_fields.py); only a hint, so a bad one is ignored."""
+    value = payload.get("fork_of") if isinstance(payload, dict) else None
+    return value if isinstance(value, str) and 0 < len(value) <= 200 else None
 
 
 def _given(payload: dict[str, Any], name: str, default: Any) -> Any:

@@ -58,6 +58,11 @@ class LiveRequests:
         live = self.live[pending.entry_id] = Live(pending, data, self.key(pending))
         return live
 
+    def entry_of(self, request_id: str | None) -> str | None:
+        """The entry id of a live request, by its request id (a fork's source)."""
+        return next((i for i, live in self.live.items()
+                     if request_id is not None and live.pending.request.id == request_id), None)
+
     def forget(self, entry_id: str) -> None:
         """No answer of ours: it is no longer ours to answer."""
         self.live.pop(entry_id, None)
