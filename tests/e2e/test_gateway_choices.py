@@ -52,3 +52,22 @@ def test_a_list_of_two_prompts_with_n_2_is_prompt_major(served: str) -> None:  #
     error = assert_openai_error(post(served, "completions", {
         "model": MODEL, "prompt": ["x"] * 9, "n": 2}), 400, "invalid_request")
     assert error["param"] == "n"
+
+
+def test_the_choices_of_a_long_prompt_share_its_kv_blocks(served: str) -> None:  # noqa: F811
+    """The worker here runs in this process: its counter of shared prompt tokens is read."""
+    from prometheus_client import REGISTRY
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("redbatch_prompt_tokens_shared_total") or 0.0
+
+    client = sdk(served)
+    prompt = "the quick brown fox jumps over the lazy dog, " * 6
+    before = counted()
+    answer = client.completions.create(model=MODEL, prompt=prompt, n=3, **SAMPLING)
+    shared = counted() - before
+    tokens = answer.usage.prompt_tokens if answer.usage else 0
+    assert shared == 2 * ((tokens - 1) // 16 * 16) > 0
+    alone = [client.completions.create(model=MODEL, prompt=prompt, **{
+        **SAMPLING, "seed": 5 + j}).choices[0].text for j in range(3)]
+    assert [c.text for c in answer.choices] == alone

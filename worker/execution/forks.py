@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker.execution.kv_pool import BLOCK_TOKENS
+from worker.observe import metrics
 from worker.policy.decoding import Work
 
 
@@ -46,5 +47,6 @@ def shared_prefill(engine: Any, works: list[Work]) -> list[Work]:
         seq.slots = engine.pool.slot_list(seq.blocks, tokens)
         seq.cached = tokens
         engine.shared_tokens += tokens
+        metrics.PROMPT_TOKENS_SHARED.inc(tokens)
         out.append(Work(work.id, tokens, work.end, work.emits))
     return out
