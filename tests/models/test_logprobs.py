@@ -117,3 +117,30 @@ def _close(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> bool:
         return [v for r in records for v in [r["logprob"]] + [t["logprob"] for t in
                                                                 r["top_logprobs"]]]
     return flat(got) == flat(want) and values(got) == pytest.approx(values(want), abs=1e-4)
+
+
+def test_a_logprobs_step_copies_once_each_way_and_reads_nothing_else_back(
+        tiny: tuple[Any, Any]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), [tokenizer.eos_token_id])
+    scheduler = DecodingScheduler(SchedulerLimits())
+    for i in range(6):
+        params = SAMPLED if i % 2 else SamplingParams(24, logprobs=i)
+        ids = tokenizer(f"hello redis {i}").input_ids
+        engine.add(str(i), ids, params)
+        scheduler.add(SeqState(str(i), len(ids), params.max_new_tokens))
+    for _ in range(3):
+        scheduler.update(engine.step(scheduler.schedule()).finished)
+    plan = scheduler.schedule()
+    assert len(plan.decode) == 6 and not plan.prefill
+    copies, back = engine.buffers.copies, engine.buffers.copies_back
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        launched = engine.launch(plan)
+    assert not [e for e in prof.events() if e.name == "aten::_local_scalar_dense"]
+    assert engine.buffers.copies - copies == 1 and engine.buffers.copies_back - back == 1
+    assert launched.tokens is not None  # the tokens, then the tails, width 5:
+    assert launched.tokens.numel() == 6 + 6 * (1 + 2 * 5)
+    output = engine.finish(launched)
+    assert all(len(d.logprobs or []) <= 1 for d in output.deltas)
