@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-BLOCK_TOKENS = 16
+from worker.policy.decoding import BLOCK_TOKENS  # the scheduler counts in them too
+
 TRASH_BLOCK = 0  # never handed out: padded queries write here, and padding reads it
 TRASH_SLOT = TRASH_BLOCK * BLOCK_TOKENS
 

@@ -62,3 +62,22 @@ def test_a_fork_waits_until_its_source_has_the_prompt_cached() -> None:
     scheduler.remove("c1")
     scheduler.add(SeqState("orphan", 60, 4, after="gone"))  # its source is not here
     assert "orphan" in scheduler.schedule().admitted
+
+
+def test_the_forks_first_steps_count_only_the_tokens_they_compute() -> None:
+    """A 100-token prompt, 3 forks, 40 tokens a step: once the source has it cached, the
+    forks start together, each computing 100 - 96 tokens (Work from 0: the engine shares
+    the 96 first)."""
+    scheduler = DecodingScheduler(SchedulerLimits(max_step_tokens=40, max_seqs=8,
+                                                  prefill_first=False))
+    scheduler.add(SeqState("p", 100, 20))
+    for i in range(3):
+        scheduler.add(SeqState(f"c{i}", 100, 4, after="p"))
+    while True:
+        plan = scheduler.schedule()
+        scheduler.update()
+        if plan.admitted != ["p"] and plan.admitted:
+            break
+    assert plan.admitted == ["c0", "c1", "c2"]
+    assert [(w.start, w.end) for w in plan.prefill] == [(0, 100)] * 3
+    assert [w.id for w in plan.decode] == ["p"]  # 1 + 3 x 4 tokens of a 40-token budget
