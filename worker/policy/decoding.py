@@ -245,7 +245,8 @@ class DecodingScheduler:
     def _shared(self, fork: SeqState) -> int:
         """The prompt tokens a fork takes from its source's blocks (whole blocks before its
         last token; execution/forks.py), which its first step need not compute."""
-        source = next((s for s in self.running if s.id == fork.after), None)
+        source = next((s for s in self.running if s.id == fork.after), None) \
+            if fork.after is not None else None
         if source is None or source.computed < source.prompt_len:
             return 0
         return (min(fork.prompt_len, source.prompt_len) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
