@@ -203,7 +203,8 @@ class ChoiceStreams:
                     for event in self._event(choice, envelope):
                         yield event
                 if not self.last:
-                    finished = True
+                    finished = True  # the streams are read: deleted, as a single reply's
+                    await self.generations.redis.delete(*self.keys)
                     for event in self._end():
                         yield event
                     return
