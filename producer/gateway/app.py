@@ -32,10 +32,11 @@ from producer.batches import keys as batch_keys
 from producer.batches.runner import Runner, RunnerConfig, holder_name
 from producer.batches.store import BatchStore
 from producer.gateway import batches, errors, events, files, metrics, pools
+from producer.gateway.choices import chat_completions, completions
 from producer.gateway.discovery import Discovery, ModelState
 from producer.gateway.dispatch import Dispatcher
 from producer.gateway.errors import ApiError
-from producer.gateway.generation import Generations, chat_completions, completions
+from producer.gateway.generation import Generations
 from producer.gateway.jsonio import FastJSONResponse as JSONResponse
 from producer.gateway.jsonio import JSONDecodeError, loads
 from producer.gateway.limits import HttpLimits, InFlightLimit

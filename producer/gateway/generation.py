@@ -35,10 +35,9 @@ from producer.gateway.generation_shapes import (
     chunk,
     completion_response,
     openai_finish_reason,
-    parse_chat_request,
-    parse_completion_request,
     usage_chunk,
 )
+from producer.gateway.logprob_shapes import shaped, text_length
 from producer.gateway.metrics import FOREIGN_ENVELOPES
 from producer.liveness import Kind
 from producer.request_base import block_slices
@@ -58,7 +57,7 @@ def decode_entry(data: bytes) -> dict[str, Any]:
     return envelope
 
 
-def _own_entry(data: bytes, request_id: str) -> dict[str, Any] | None:
+def own_entry(data: bytes, request_id: str) -> dict[str, Any] | None:
     """A reply-stream envelope of this request, or None (another's, or no envelope)."""
     try:
         envelope = decode_entry(data)
@@ -153,7 +152,7 @@ class Generations:
             read = [(_text(entry_id), fields.get(b"data", b""))
                     for _, batch in found or [] for entry_id, fields in batch]
             entries = [(entry_id, envelope) for entry_id, envelope in
-                       ((i, _own_entry(data, request_id)) for i, data in read) if envelope]
+                       ((i, own_entry(data, request_id)) for i, data in read) if envelope]
             FOREIGN_ENVELOPES.inc(len(read) - len(entries))
             if entries:
                 return entries
@@ -175,6 +174,7 @@ class StreamReply:
         self.created = int(time.time())
         self.deadline = time.monotonic() + generations.timeout_s
         self.param = "messages" if request.kind == CHAT else "prompt"
+        self.offset = 0  # completions' text_offset of the next chunk's first token
 
     async def first(self) -> list[Entry]:
         """The first entries, before the response starts: errors are HTTP errors then."""
@@ -198,7 +198,7 @@ class StreamReply:
                 for _, envelope in entries:
                     if envelope["type"] != "done":
                         sent += 1
-                        yield sse(self._chunk(str(envelope.get("text", ""))))
+                        yield sse(self._delta(envelope))
                         continue
                     finished = True  # deleted before the client can see the end
                     await self.generations.redis.delete(self.key)
@@ -217,6 +217,14 @@ class StreamReply:
                first: bool = False) -> dict[str, Any]:
         return chunk(self.request, self.request_id, self.created, text, reason, first)
 
+    def _delta(self, envelope: dict[str, Any]) -> dict[str, Any]:
+        """A delta's chunk, with its tokens' logprobs where the worker sent them."""
+        records = envelope.get("logprobs")
+        logprobs = shaped(self.request.kind == CHAT, records, self.offset)
+        self.offset += text_length(records)
+        return chunk(self.request, self.request_id, self.created,
+                     str(envelope.get("text", "")), logprobs=logprobs)
+
     def _done(self, envelope: dict[str, Any]) -> list[bytes]:
         if not envelope.get("ok"):
             return [sse(worker_error(envelope, self.param).body())]
@@ -228,13 +236,19 @@ class StreamReply:
         return [*events, sse("[DONE]")]
 
 
-async def generate(request: Request, parse: Callable[[Any], GenerationRequest]) -> Response:
-    """The shared route: authorize, validate, check the model, then stream or wait."""
+async def prepare(request: Request, parse: Callable[[Any], GenerationRequest]
+                  ) -> GenerationRequest:
+    """Authorize, validate, check the model is live."""
     gateway = request.app.state.gateway
     gateway.authorize(request)
     parsed = parse(await gateway.json_body(request))
     await gateway.require_live(parsed.model, Kind.GENERATIVE)
-    generations: Generations = gateway.generations
+    return parsed
+
+
+async def generate(request: Request, parsed: GenerationRequest) -> Response:
+    """One choice: submit, then stream or wait (choices.py runs n of them)."""
+    generations: Generations = request.app.state.gateway.generations
     request_id = await generations.submit(parsed.model, parsed.payload)
     if parsed.stream:
         reply = StreamReply(generations, parsed, request_id)
@@ -248,11 +262,3 @@ async def generate(request: Request, parse: Callable[[Any], GenerationRequest]) 
         raise worker_error(envelope, "messages" if parsed.kind == CHAT else "prompt")
     return jsonio.FastJSONResponse(completion_response(parsed, request_id, int(time.time()),
                                             envelope.get("result") or {}))
-
-
-async def chat_completions(request: Request) -> Response:
-    return await generate(request, parse_chat_request)
-
-
-async def completions(request: Request) -> Response:
-    return await generate(request, parse_completion_request)

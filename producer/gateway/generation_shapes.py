@@ -9,17 +9,19 @@ OpenAI's responses and stream chunks. A `null` optional field counts as absent.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from producer.gateway.choice_fields import parse_n, parse_prompts
 from producer.gateway.errors import invalid, refuse_unsupported
+from producer.gateway.logprob_shapes import CHAT_LOGPROB_FIELDS, logprob_fields, shaped
 from producer.gateway.penalty_fields import PENALTY_FIELDS, penalty_fields
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                  "stream_options", "n", "user", *PENALTY_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", *CHAT_LOGPROB_FIELDS}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 MESSAGE_FIELDS = {"role", "content", "name"}
 ROLES = {"system": "system", "developer": "system", "user": "user",
          "assistant": "assistant"}  # OpenAI's newer "developer" is a system message
@@ -40,6 +42,12 @@ class GenerationRequest:
     payload: dict[str, Any]
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices per prompt (choice_fields.py)
+    prompts: tuple[str, ...] = ()  # completions: every prompt (the payload holds the first)
+
+    @property
+    def choices(self) -> int:
+        return max(1, len(self.prompts)) * self.n
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
@@ -54,15 +62,9 @@ def parse_chat_request(body: Any) -> GenerationRequest:
 
 def parse_completion_request(body: Any) -> GenerationRequest:
     fields = _fields(body, COMPLETION_FIELDS)
-    prompt = fields.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        raise invalid("'prompt' must be one string: lists of prompts and token ids are not "
-                      "supported", "prompt", "unsupported_input")
-    if not isinstance(prompt, str):
-        raise invalid("'prompt' is required and must be a string", "prompt")
-    return _request(TEXT, fields, {"prompt": prompt})
+    prompts = parse_prompts(fields.get("prompt"))
+    request = _request(TEXT, fields, {"prompt": prompts[0]})
+    return replace(request, prompts=tuple(prompts)) if len(prompts) > 1 else request
 
 
 def _fields(body: Any, known: set[str]) -> dict[str, Any]:
@@ -77,19 +79,16 @@ def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any]) -> Gene
     model = fields.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
-    n = fields.get("n", 1)
-    if not _is_int(n) or n < 1:
-        raise invalid("'n' must be a positive integer", "n")
-    if n != 1:
-        raise invalid("only n = 1 is supported", "n", "unsupported_parameter")
+    n = parse_n(fields)
     if not isinstance(fields.get("user", ""), str):
         raise invalid("'user' must be a string", "user")
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("'stream' must be a boolean", "stream")
     payload.update(sampling_fields(fields))
+    payload.update(logprob_fields(kind == CHAT, fields))
     payload["stream"] = stream
-    return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream))
+    return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream), n)
 
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -216,7 +215,8 @@ def completion_response(request: GenerationRequest, request_id: str, created: in
                         result: dict[str, Any]) -> dict[str, Any]:
     """The non-streamed answer: a chat.completion or a text_completion."""
     text, reason = str(result.get("text", "")), openai_finish_reason(result.get("finish_reason"))
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason,
+                              "logprobs": shaped(request.kind == CHAT, result.get("logprobs"))}
     if request.kind == CHAT:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -226,9 +226,12 @@ def completion_response(request: GenerationRequest, request_id: str, created: in
 
 
 def chunk(request: GenerationRequest, request_id: str, created: int, text: str | None,
-          finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
-    """One stream chunk: text (None: none, as in the final chunk) and/or finish_reason."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+          finish_reason: str | None = None, first: bool = False,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stream chunk: text (None: none, as in the final chunk) and/or finish_reason;
+    `logprobs`: its tokens', shaped (logprob_shapes.py)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason,
+                              "logprobs": logprobs}
     if request.kind == CHAT:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:

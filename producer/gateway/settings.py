@@ -35,6 +35,8 @@ class GatewaySettings(BaseSettings):
         "comma-separated bearer keys accepted; empty: no authentication"))
     max_body_bytes: int = Field(4 << 20, gt=0, description="larger request bodies get 413")
     max_inputs: int = Field(2048, gt=0, description="most inputs in one embeddings call")
+    max_choices: int = Field(16, gt=0, le=128, description=(
+        "most choices (n x prompts) in one chat or completions call"))
     live_worker_idle_s: float = Field(30.0, gt=0, description=(
         "a consumer seen within this many seconds counts as a live worker"))
     model_cache_s: float = Field(1.0, ge=0, description=(

@@ -88,11 +88,11 @@ def test_seeded_sampling_is_reproducible(served: str) -> None:
     assert len(answers) == 1
 
 
-def test_n_above_one_is_400(served: str) -> None:
+def test_n_past_max_choices_is_400(served: str) -> None:
     with pytest.raises(openai.BadRequestError):
-        sdk(served).chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        sdk(served).chat.completions.create(model=MODEL, messages=MESSAGES, n=10_000)
     error = assert_openai_error(post(served, "chat/completions", {
-        "model": MODEL, "messages": MESSAGES, "n": 2}), 400, "unsupported_parameter")
+        "model": MODEL, "messages": MESSAGES, "n": 17}), 400, "invalid_request")
     assert error["param"] == "n" and error["type"] == "invalid_request_error"
 
 
@@ -103,7 +103,7 @@ def test_n_above_one_is_400(served: str) -> None:
     ("chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": 9},
      "temperature"),
     ("completions", {"model": MODEL, "prompt": [1, 2, 3]}, "prompt"),
-    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, "max_tokens"),
 ], ids=["unknown-field", "bad-messages", "five-stops", "hot", "token-ids", "logprobs",
         "worker-refuses-max-tokens"])

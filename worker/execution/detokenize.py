@@ -47,6 +47,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    logprobs: list[dict[str, Any]] | None = None  # its tokens' records (logprobs.py)
 
 
 @dataclass(slots=True)

@@ -12,20 +12,19 @@ layouts (execution/step_layouts.py) shaped for the device:
   context) class, each with one gather and one attention call per layer; a class with a
   captured CUDA graph (execution/step_graphs.py) replays as one launch.
 
-The model's attention is the engine's own (execution/paged_attention.py, registered through
-transformers' AttentionInterface): the forward's layout is set for its duration
-(`stepping`), and the forward keeps no cache of its own (`use_cache=False`).
+The model's attention is the engine's own (execution/paged_attention.py, through
+transformers' AttentionInterface), set for the forward (`stepping`), with `use_cache=False`.
 
 A step's inputs for all its forwards (token ids, positions, KV slots, the sampler's
 per-row inputs) are staged on the host and go to the device in one copy through
 preallocated buffers (execution/staging.py, step_buffers.py); the tokens of all its forwards
-are chosen on the device (execution/sampling.py) and come back in one copy. `step` is
-`launch` then `finish`; between the two the caller may launch the next step, whose decoding
-rows then read their input tokens on the device (steps overlapped, on a GPU).
+are chosen on the device (execution/sampling.py) and come back in one copy, with their
+logprobs where asked (execution/logprobs.py). `step` is `launch` then `finish`; between the
+two the caller may launch the next step, whose decoding rows then read their input tokens on
+the device (steps overlapped, on a GPU).
 
 Preempted and finished sequences give their blocks back; a preempted one's next prefill
-recomputes its cache from its tokens. Torch only: no Redis, no threads (the generate loop,
-pipeline/generate.py, calls it).
+recomputes its cache from its tokens. Torch only: no Redis, no threads.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from worker.execution import forks, logprobs
 from worker.execution.detokenize import Delta, TextState, decoder_of
 from worker.execution.executor import is_out_of_memory
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
@@ -66,13 +66,14 @@ class GenerationEngine:
                  max_seqs: int = 64, max_step_tokens: int = 512,
                  gpu_shapes: bool | None = None) -> None:
         """`kv_tokens`: the pool's size, the scheduler's KV budget (plus a block per
-        sequence for the partly filled last blocks). `gpu_shapes`: steps shaped for a GPU,
-        decodes padded to shape classes of up to `max_seqs` rows and prefills packed into
-        one forward padded to a class of up to `max_step_tokens` tokens (default: on CUDA
-        only)."""
+        sequence for the partly filled last blocks). `gpu_shapes` (default: on CUDA): decodes
+        padded to shape classes of up to `max_seqs` rows, prefills packed into one forward
+        padded to a class of up to `max_step_tokens` tokens."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.decode = decoder_of(tokenizer)
+        self.texts = logprobs.TokenTexts(tokenizer)  # the logprob records' token texts
+        self.shared_tokens = 0  # prompt tokens forks took from another's blocks (forks.py)
         self.device = device
         self.eos_ids = frozenset(eos_ids)
         self.seqs: dict[str, EngineSeq] = {}
@@ -88,11 +89,12 @@ class GenerationEngine:
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-            entropy: int = 0) -> None:
-        """`entropy`: seeds the draws of an unseeded sampling request."""
+            entropy: int = 0, fork_of: str | None = None) -> None:
+        """`entropy`: seeds the draws of an unseeded sampling request; `fork_of`: a sequence
+        of the same prompt whose blocks it may share (forks.py)."""
         seed = params.seed if params.seed is not None else entropy
-        self.seqs[seq_id] = EngineSeq(seq_id, list(prompt_ids),
-                                      TextState(params, self.eos_ids), seed)
+        self.seqs[seq_id] = EngineSeq(seq_id, list(prompt_ids), TextState(params, self.eos_ids),
+                                      seed, fork_of=fork_of)
 
     def knows(self, tokens: Sequence[int]) -> bool:
         """Whether every token is in the model's vocabulary (a resumed stream's tokens are
@@ -123,16 +125,14 @@ class GenerationEngine:
     def launch(self, plan: StepPlan,
                on_prefilled: Callable[[Delta], None] | None = None) -> Launched:
         """Run the plan's forwards and choose their tokens on the device; `finish` brings
-        them to the host. A decoding row whose input token is the previous launch's, not
-        finished yet, reads it on the device (staging.py): the host can finish step n while
-        the device runs step n + 1. `on_prefilled` is called with each prefilled sequence's
-        new token as soon as its own forward is done (the host waits for it then), before
-        the step's other forwards: its reply stream can carry a first token while the other
-        prefills run."""
+        them to the host. A decoding row whose input token is the previous launch's reads it
+        on the device (staging.py). `on_prefilled` gets each prefilled sequence's token as
+        soon as its own forward is done, before the step's other forwards run."""
         for seq_id in plan.preempted:
             self._forget(self.seqs[seq_id])
         decode = [w for w in plan.decode if w.start > 0]  # a 1-token prompt has no cache
-        prefill = plan.prefill + [w for w in plan.decode if w.start == 0]
+        prefill = forks.shared_prefill(self, plan.prefill + [w for w in plan.decode
+                                                             if w.start == 0])
         forwards = self._stage(prefill, decode)
         prefilling = len(forwards) - bool(decode)  # the forwards before the decoding one
         chosen: list[tuple[Forward, torch.Tensor]] = []
@@ -147,7 +147,8 @@ class GenerationEngine:
                 launched.unrun = self._out_of_memory(forwards[number:])
                 return launched
             if tokens is not None and on_prefilled is not None and number < prefilling:
-                deltas = self._take(forward, tokens.tolist())
+                deltas = self._take(forward, *logprobs.host_rows([forward], tokens,
+                                                                 self.texts)[0])
                 for delta in deltas:
                     on_prefilled(delta)
                 early += deltas
@@ -173,7 +174,7 @@ class GenerationEngine:
         if not chosen:
             self.flight = None
             return Launched([], None, None, None, early)
-        tokens = torch.cat([t for _, t in chosen]) if len(chosen) > 1 else chosen[0][1]
+        tokens = logprobs.sent_back(chosen)  # the tokens first, then the logprobs' tails
         rows: dict[str, int] = {}
         at = 0
         for forward, _ in chosen:  # a token per real row, whether it emits or not
@@ -191,11 +192,9 @@ class GenerationEngine:
         output = StepOutput(list(launched.early))
         if launched.copied is not None:
             launched.copied.synchronize()
-        tokens: list[int] = launched.tokens.tolist() if launched.tokens is not None else []
-        at = 0
-        for forward in launched.forwards:
-            output.deltas += self._take(forward, tokens[at:at + len(forward.seqs)])
-            at += len(forward.seqs)
+        rows = logprobs.host_rows(launched.forwards, launched.tokens, self.texts)
+        for forward, row in zip(launched.forwards, rows, strict=True):
+            output.deltas += self._take(forward, *row)
         if self.flight is launched.flight:
             self.flight = None
         return output
@@ -223,8 +222,8 @@ class GenerationEngine:
 
     def _run(self, forward: Forward) -> torch.Tensor | None:
         """The forward, then each of its rows' token chosen on the device (None when no
-        row emits one)."""
-        logits = self._forward(forward)
+        row emits one), and their logprobs (logprobs.py) from the logits before penalties."""
+        raw = logits = self._forward(forward)
         if forward.draws is None:
             return None
         packed = forward.device[1] if len(forward.device) > 1 else None
@@ -232,13 +231,15 @@ class GenerationEngine:
             layout = forward.layout
             newest = forward.device[0].view(layout.rows, layout.queries)[:len(forward.seqs), -1]
             logits = forward.penalties.apply(logits, newest)
-        return choose_tokens(logits, forward.draws, packed)
+        tokens = choose_tokens(logits, forward.draws, packed)
+        return logprobs.with_logprobs(forward, raw, tokens)
 
-    def _take(self, forward: Forward, tokens: list[int]) -> list[Delta]:
+    def _take(self, forward: Forward, tokens: list[int],
+              records: list[logprobs.Record | None]) -> list[Delta]:
         """Each emitting row's token appended to its sequence, unless that was dropped or
         ended since the forward was launched."""
-        return [self._append(seq, token) for seq, work, token
-                in zip(forward.seqs, forward.works, tokens, strict=True)
+        return [self._append(seq, token, record) for seq, work, token, record
+                in zip(forward.seqs, forward.works, tokens, records, strict=True)
                 if work.emits and not seq.ended and self.seqs.get(seq.id) is seq]
 
     def _forward(self, forward: Forward) -> torch.Tensor:
@@ -265,14 +266,15 @@ class GenerationEngine:
         return layout.last_logits(out.logits)
 
     def capture_graphs(self) -> StepGraphs | None:
-        """Capture a CUDA graph of the decode step for every shape class and of the packed
-        prefill for every (queries, keys) class (step_graphs.py); None, and eager steps,
-        where that is not possible (it says why)."""
+        """CUDA graphs of the decode step for every shape class and of the packed prefill
+        for every (queries, keys) class (step_graphs.py); None where not possible."""
         self.graphs = StepGraphs.capture(self)
         return self.graphs
 
-    def _append(self, seq: EngineSeq, token: int) -> Delta:
+    def _append(self, seq: EngineSeq, token: int,
+                record: logprobs.Record | None = None) -> Delta:
         delta = seq.text.append(seq.id, token, self.decode)
+        logprobs.attach(seq.logprobs, delta, record, self.eos_ids)
         if delta.finish_reason:
             seq.ended = True
             self._forget(seq)  # its blocks are free for the next step

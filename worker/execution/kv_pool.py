@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-BLOCK_TOKENS = 16
+from worker.policy.decoding import BLOCK_TOKENS  # the scheduler counts in them too
+
 TRASH_BLOCK = 0  # never handed out: padded queries write here, and padding reads it
 TRASH_SLOT = TRASH_BLOCK * BLOCK_TOKENS
 
@@ -46,6 +47,7 @@ class KVPool:
             tensor[:BLOCK_TOKENS].zero_()  # which a mask cannot hide (NaN + -inf is NaN)
         self.device = device
         self._free = list(range(1, self.blocks))  # a heap: lowest first
+        self._shared: dict[int, int] = {}  # block -> its holders beyond the first (forks)
 
     @property
     def free_tokens(self) -> int:
@@ -60,9 +62,24 @@ class KVPool:
         table.extend(heapq.heappop(self._free) for _ in range(max(0, need)))
 
     def release(self, table: list[int]) -> None:
+        """Give a table's blocks back; a shared block is free once its last holder let go."""
         for block in table:
-            heapq.heappush(self._free, block)
+            holders = self._shared.pop(block, 0)
+            if holders > 1:
+                self._shared[block] = holders - 1
+            elif not holders:
+                heapq.heappush(self._free, block)
         table.clear()
+
+    def share(self, table: Sequence[int], tokens: int) -> list[int]:
+        """A new table holding the blocks of tokens [0, tokens) of `table` (whole blocks
+        only), each held once more: a fork reads a prompt's keys and values without a copy.
+        Nobody writes into them again (a holder writes only past its cached tokens)."""
+        assert tokens % BLOCK_TOKENS == 0, tokens
+        blocks = list(table[:tokens // BLOCK_TOKENS])
+        for block in blocks:
+            self._shared[block] = self._shared.get(block, 0) + 1
+        return blocks
 
     def slot_list(self, table: Sequence[int], end: int, start: int = 0) -> list[int]:
         """The slots of tokens [start, end) of a block table, on the host."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,8 @@ class EngineSeq:
     slots: list[int] = field(default_factory=list)  # its tokens' slots, as far as reserved
     cached: int = 0  # tokens whose keys and values are in its blocks
     ended: bool = False  # its last token is in: a step launched before that is ignored
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # its tokens' (logprobs.py)
+    fork_of: str | None = None  # a sequence whose prompt blocks it may share (forks.py)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Its tokens [start, end) that are on the host (not one still in flight)."""
@@ -69,6 +72,7 @@ class Forward:
         default_factory=lambda: ([], []))
     device: list[torch.Tensor] = field(default_factory=list)  # ids (and draws) on device
     penalties: RowPenalties | None = None  # None when no row is penalised
+    logprobs: int | None = None  # the alternatives its tail carries back (logprobs.py)
 
 
 def reserve(pool: KVPool, seqs: Sequence[EngineSeq], works: Sequence[Work]) -> None:

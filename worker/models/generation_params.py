@@ -6,6 +6,7 @@ InvalidInput (answered `invalid_request`), never a failure of the worker.
     top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings of
     <= 1,000 characters), stream (bool, default true), presence_penalty,
     frequency_penalty, repetition_penalty, logit_bias, min_tokens (models/penalty_params.py);
+    logprobs (int 0..20, models/logprob_params.py);
     a key set to null counts as left out
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.models.base import InvalidInput
+from worker.models.logprob_params import logprob_fields
 from worker.models.penalty_params import penalty_fields
 
 SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
@@ -40,6 +42,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    logprobs: int | None = None  # alternatives per token, with its logprob (None: off)
 
     @property
     def penalised(self) -> bool:
@@ -54,6 +57,7 @@ class GenerationInput:
     params: SamplingParams
     stream: bool
     redelivered: bool = False  # read before (claimed, or our own after a restart): may resume
+    fork_of: str | None = None  # a request of the same prompt it may share KV blocks with
 
 
 def prompt_of(payload: Any) -> str | list[dict[str, str]]:
@@ -82,6 +86,13 @@ def wants_stream(payload: Any) -> bool:
     if not isinstance(payload, dict):
         return True
     return payload.get("stream") is not False
+
+
+def fork_of(payload: Any) -> str | None:
+    """`fork_of`: the id of a request with the same prompt (another choice of the same
+    call, producer/gateway/choice_fields.py); only a hint, so a bad one is ignored."""
+    value = payload.get("fork_of") if isinstance(payload, dict) else None
+    return value if isinstance(value, str) and 0 < len(value) <= 200 else None
 
 
 def _given(payload: dict[str, Any], name: str, default: Any) -> Any:
@@ -146,4 +157,5 @@ def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
                            "stream")
     max_new = min(max_new, context - prompt_len)
     return SamplingParams(max_new, temperature, top_p, min(top_k, TOP_K_CAP), seed,
-                          _stops(payload), **penalty_fields(payload, max_new, vocab))
+                          _stops(payload), **penalty_fields(payload, max_new, vocab),
+                          **logprob_fields(payload))

@@ -26,6 +26,7 @@ from worker.models import weights_cache
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.generation_params import (
     GenerationInput,
+    fork_of,
     prompt_of,
     sampling_params,
     wants_stream,
@@ -133,7 +134,8 @@ class CausalLM(Model):
         ids = self._prompt_ids(prompt)
         params = sampling_params(payload, len(ids), self.context, self.max_new_tokens,
                                  self.max_new_tokens_limit, self.lm.config.vocab_size)
-        return Prepared(len(ids), GenerationInput(ids, params, wants_stream(payload)))
+        return Prepared(len(ids), GenerationInput(ids, params, wants_stream(payload),
+                                                  fork_of=fork_of(payload)))
 
     def _prompt_ids(self, prompt: str | list[dict[str, str]]) -> list[int]:
         tokenizer = self.tokenizer

@@ -133,6 +133,8 @@ PREEMPTIONS = Counter("redbatch_preemptions", "Sequences preempted (KV cache dro
                       ["model"])
 GENERATIONS_FINISHED = Counter("redbatch_generations_finished", "Generations ended, by reason",
                                ["model", "reason"])
+PROMPT_TOKENS_SHARED = Counter("redbatch_prompt_tokens_shared", "Prompt tokens a choice took "
+                               "from another choice's KV blocks instead of computing them")
 
 
 def record_step(model: str, seconds: float, tokens: int, preempted: int, running: int,

@@ -63,7 +63,6 @@ class GenerateConfig:
 @dataclass(frozen=True, slots=True)
 class Stepping:
     """A launched step, until it completes."""
-
     plan: StepPlan
     launched: Launched
     started: float  # perf_counter at its scheduling
@@ -165,9 +164,9 @@ class GenerateLoop:
                                f"{prompt_len} prompt tokens + max_new_tokens {max_new} exceed "
                                f"the KV cache budget of {self.scheduler.limits.kv_tokens} "
                                "tokens (kv_cache_bytes)")
-        request = pending.request
+        fork = self.live.entry_of(data.fork_of) if progress is None else None  # forks.py
         self.engine.add(pending.entry_id, data.prompt_ids, data.params,
-                        entropy=random.getrandbits(63))
+                        entropy=random.getrandbits(63), fork_of=fork)
         live = self.live.add(pending, data)
         generated = 0
         if progress is not None and progress.chunks:
@@ -179,7 +178,8 @@ class GenerateLoop:
             if reason is not None:  # its last chunk was out, its done entry was not
                 return self._finish(pending.entry_id, reason)
         self.scheduler.add(SeqState(pending.entry_id, prompt_len, max_new,
-                                    priority=request.priority, generated=generated))
+                                    priority=pending.request.priority, generated=generated,
+                                    after=fork))
         return None
 
     def keep_alive(self) -> None:
@@ -283,7 +283,7 @@ class GenerateLoop:
         """A sequence that ended (or was cancelled): its success answer."""
         seq = self.engine.drop(entry_id)
         assert seq is not None
-        return self.live.finished(entry_id, reason, seq.text)
+        return self.live.finished(entry_id, reason, seq.text, seq.logprobs)
 
     def _stop(self, entry_id: str, code: ErrorCode, message: str) -> Answer:
         """End one live request with an error, placed after its streamed chunks."""

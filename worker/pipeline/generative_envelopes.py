@@ -1,6 +1,7 @@
 """The envelopes of a generative model's answer (docs/protocol.md, "Generative models").
 
-Streamed: chunks `{"id", "type": "delta", "index", "text", "token_ids"}` on the request's
+Streamed: chunks `{"id", "type": "delta", "index", "text", "token_ids"}` (and `logprobs`
+when asked) on the request's
 reply stream, then `{"id", "type": "done", "ok", "result" | "error", "meta"}` as the last
 entry, written with the XACK by the reply thread. Not streamed (`"stream": false`): one
 envelope on the list reply key, as for every other model.
@@ -17,10 +18,12 @@ from worker.pipeline.answers import Answer
 from worker.policy.flow import arrival_ms
 
 
-def delta_envelope(request_id: str, index: int, text: str,
-                   token_ids: list[int]) -> dict[str, Any]:
-    return {"id": request_id, "type": "delta", "index": index, "text": text,
-            "token_ids": token_ids}
+def delta_envelope(request_id: str, index: int, text: str, token_ids: list[int],
+                   logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A chunk; `logprobs` (asked for): one record per token of its text (EOS has none)."""
+    envelope = {"id": request_id, "type": "delta", "index": index, "text": text,
+                "token_ids": token_ids}
+    return envelope if logprobs is None else {**envelope, "logprobs": logprobs}
 
 
 def final_answer(entry_id: str, request: Request, envelope: dict[str, Any],

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from producer import protocol
 from producer.protocol import ErrorCode
 from worker.execution.detokenize import Delta, TextState
+from worker.execution.logprobs import public as _public
 from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
 from worker.pipeline.answers import Answer, error_answer
@@ -56,6 +58,11 @@ class LiveRequests:
         live = self.live[pending.entry_id] = Live(pending, data, self.key(pending))
         return live
 
+    def entry_of(self, request_id: str | None) -> str | None:
+        """The entry id of a live request, by its request id (a fork's source)."""
+        return next((i for i, live in self.live.items()
+                     if request_id is not None and live.pending.request.id == request_id), None)
+
     def forget(self, entry_id: str) -> None:
         """No answer of ours: it is no longer ours to answer."""
         self.live.pop(entry_id, None)
@@ -90,7 +97,8 @@ class LiveRequests:
             if delta.text and live.data.stream:
                 live.chunks += 1
                 request = live.pending.request
-                envelope = delta_envelope(request.id, live.chunks, delta.text, delta.token_ids)
+                envelope = delta_envelope(request.id, live.chunks, delta.text, delta.token_ids,
+                                          delta.logprobs)
                 chunks.append(Outgoing(live.key, live.chunks, envelope, request.content_type))
         return chunks
 
@@ -100,8 +108,10 @@ class LiveRequests:
         return [i for i, live in self.live.items()
                 if is_past_deadline(live.pending.request.deadline_ms, now_ms)]
 
-    def finished(self, entry_id: str, reason: str, text: TextState) -> Answer:
-        """Its success answer (the `done` entry after its chunks); it is live no more."""
+    def finished(self, entry_id: str, reason: str, text: TextState,
+                 logprobs: list[dict[str, Any]] | None = None) -> Answer:
+        """Its success answer (the `done` entry after its chunks); it is live no more. A
+        list reply carries every token's logprobs where asked (a stream's chunks did)."""
         live = self.live.pop(entry_id)
         request = live.pending.request
         meta = generation_meta(self.model_name, self.consumer, live.pending.enqueued_ms,
@@ -109,6 +119,8 @@ class LiveRequests:
                                live.resumed_at)
         result = {"text": text.text, "tokens": len(text.generated),
                   "prompt_tokens": len(live.data.prompt_ids), "finish_reason": reason}
+        if text.params.logprobs is not None and not live.data.stream:
+            result["logprobs"] = [_public(r) for r in logprobs or []]
         metrics.GENERATIONS_FINISHED.labels(self.model_name, reason).inc()
         return final_answer(entry_id, request, protocol.success_envelope(request.id, result,
                                                                          meta),

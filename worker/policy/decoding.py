@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 from worker.policy.step_caps import StepCaps
 
+BLOCK_TOKENS = 16  # the KV pool's block (execution/kv_pool.py): a fork shares whole blocks
+
 
 @dataclass(slots=True, eq=False)  # compared by identity: `seq in running` each step, per row
 class SeqState:
@@ -46,6 +48,7 @@ class SeqState:
     computed: int = 0  # tokens in the KV cache
     waited: int = 0  # steps spent waiting since it last arrived or was preempted
     preemptions: int = 0
+    after: str | None = None  # a fork: admitted once this sequence has its prompt cached
 
     @property
     def total(self) -> int:
@@ -231,18 +234,37 @@ class DecodingScheduler:
         preempted at the next step); the first that does not fit stops the admission."""
         self.waiting.sort(key=self._order)
         while self.waiting and budget > 0 and len(self.running) < self.caps.seqs:
-            seq = self.waiting[0]
-            if seq.id in plan.preempted:
+            seq = next((s for s in self.waiting if not self._held(s)), None)
+            if seq is None or seq.id in plan.preempted:
                 break  # not re-admitted in the step that preempted it
-            n = min(seq.total, budget)
-            if n + len(self.running) > free:
+            shared = self._shared(seq)  # a fork's: in its cache, not computed
+            n = min(seq.total - shared, budget)
+            if shared + n + len(self.running) > free:
                 break  # room is left for each running sequence's next token
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.waited = 0
             self.running.append(seq)
-            plan.prefill.append(Work(seq.id, 0, n, n == seq.total))
+            plan.prefill.append(Work(seq.id, 0, shared + n, shared + n == seq.total))
             plan.admitted.append(seq.id)
-            budget, free = budget - n, free - n
+            budget, free = budget - n, free - shared - n
+
+    def _held(self, fork: SeqState) -> bool:
+        """A fork waits while the sequence it shares a prompt with has not cached it (it
+        then takes that prompt's blocks instead of computing them: execution/forks.py)."""
+        if fork.after is None:
+            return False
+        if any(s.id == fork.after for s in self.waiting):
+            return True
+        return any(s.id == fork.after and s.computed < s.prompt_len for s in self.running)
+
+    def _shared(self, fork: SeqState) -> int:
+        """The prompt tokens a fork takes from its source's blocks (whole blocks before its
+        last token; execution/forks.py), which its first step need not compute."""
+        source = next((s for s in self.running if s.id == fork.after), None) \
+            if fork.after is not None else None
+        if source is None or source.computed < source.prompt_len:
+            return 0
+        return (min(fork.prompt_len, source.prompt_len) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
     def update(self, finished: Iterable[str] = ()) -> list[SeqState]:
         """Apply the last plan: tokens cached, tokens sampled; `finished` (EOS, a stop

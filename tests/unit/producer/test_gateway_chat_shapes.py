@@ -57,11 +57,15 @@ def test_completion_prompt() -> None:
 
 
 CHAT_ERRORS = [
-    ({"model": "lm", "messages": MESSAGES, "n": 2}, "n", "unsupported_parameter"),
+    ({"model": "lm", "messages": MESSAGES, "n": 10_000}, "n", "invalid_request"),
+    ({"model": "lm", "messages": MESSAGES, "n": True}, "n", "invalid_request"),
     ({"model": "lm", "messages": MESSAGES, "n": 0}, "n", "invalid_request"),
     ({"model": "lm", "messages": MESSAGES, "tools": []}, "tools", "unsupported_parameter"),
-    ({"model": "lm", "messages": MESSAGES, "logprobs": True}, "logprobs",
-     "unsupported_parameter"),
+    ({"model": "lm", "messages": MESSAGES, "logprobs": True, "top_logprobs": 1000},
+     "top_logprobs", "invalid_request"),
+    ({"model": "lm", "messages": MESSAGES, "top_logprobs": 2}, "top_logprobs",
+     "invalid_request"),
+    ({"model": "lm", "messages": MESSAGES, "logprobs": 1}, "logprobs", "invalid_request"),
     ({"model": "lm"}, "messages", "invalid_request"),
     ({"model": "lm", "messages": []}, "messages", "invalid_request"),
     ({"model": "lm", "messages": [{"content": "x"}]}, "messages", "invalid_request"),
@@ -114,7 +118,8 @@ def test_chat_errors_name_the_field(body: Any, param: str | None, code: str) -> 
 
 @pytest.mark.parametrize("body, code", [
     ({"model": "lm", "prompt": [1, 2]}, "unsupported_input"),
-    ({"model": "lm", "prompt": ["a", "b"]}, "unsupported_input"),
+    ({"model": "lm", "prompt": [[1, 2]]}, "unsupported_input"),
+    ({"model": "lm", "prompt": []}, "invalid_request"),
     ({"model": "lm"}, "invalid_request"),
     ({"model": "lm", "prompt": "x", "messages": MESSAGES}, "unsupported_parameter"),
     ({"model": "lm", "prompt": "x", "echo": True}, "unsupported_parameter"),
