@@ -18,8 +18,9 @@ def test_the_batch_benchmark_runs_both_paths_and_the_latency_beside_a_batch(tmp_
                                                                             ) -> None:
     out = tmp_path / "report.json"
     subprocess.run([sys.executable, "-m", "bench.batches", "--lines", "40", "--repeats", "1",
-                    "--online-s", "1", "--latency-rounds", "1", "--out", str(out)], cwd=REPO_ROOT, check=True,
-                   timeout=240, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                    "--online-s", "1", "--latency-rounds", "1", "--out", str(out)],
+                   cwd=REPO_ROOT, check=True, timeout=240, capture_output=True,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
     report = json.loads(out.read_text())
     assert set(report["median_lines_per_s"]) == {"producer", "batch_api"}
     assert all(rate > 0 for rate in report["median_lines_per_s"].values())

@@ -12,17 +12,16 @@ its tokens so far. No request is lost.
 Order: higher priority first, then oldest. A waiting sequence that has waited `max_wait_steps`
 steps is aged: it goes before every unaged one whatever their priority, and while the first
 in line cannot be admitted, nothing behind it is (so memory frees up for it as running
-sequences finish). Background sequences (priority < 0: batch jobs' lines) give their seats
-to online requests that wait for one, each at most once (it is recomputed).
+sequences finish); background ones (batch jobs' lines) give their seats to online ones.
 A waiting sequence is therefore admitted within `max_wait_steps` plus the steps the
 sequences running then need to finish (at most their `max_new_tokens` plus one; with
-`prefill_first`, (1 + `prefill_streak`) times that, as up to `prefill_streak` steps in
-a row may go to admissions alone).
+`prefill_first`, (1 + `prefill_streak`) times that, as up to `prefill_streak` steps in a
+row may go to admissions alone).
 
 Token accounting: a sequence's tokens are its prompt and what it generated. `computed` of
 them are in its cache. A step feeds it tokens [computed, computed + n); when that reaches its
-last token, the step samples a new one (`emits`). A decoding sequence has n = 1.
-No I/O, no clock, no threads: the generate loop (pipeline/generate.py) drives it.
+last token, the step samples a new one (`emits`). A decoding sequence has n = 1. No I/O, no
+clock, no threads: the generate loop (pipeline/generate.py) drives it.
 """
 
 from __future__ import annotations
@@ -207,13 +206,10 @@ class DecodingScheduler:
 
     def _yield_to_online(self, plan: StepPlan) -> None:
         """Online requests waiting for a seat take those of the newest background sequences
-        (priority < 0: batch jobs' lines) never preempted before: batch lines fill the
-        seats online traffic leaves, and each is recomputed at most once for it."""
+        (priority < 0) never preempted before: each is recomputed at most once for it."""
         short = sum(s.priority >= 0 for s in self.waiting) - (self.caps.seqs - len(self.running))
         for seq in reversed(list(self.running)):
-            if short <= 0:
-                return
-            if seq.priority < 0 and not seq.preemptions:
+            if short > 0 and seq.priority < 0 and not seq.preemptions:
                 self._preempt(plan, seq)
                 short -= 1
 
