@@ -1,0 +1,63 @@
+"""redbatch's two figures: default settings end to end, and its own offline limit.
+
+served   an embedded Redis (no AOF) and one `python -m worker run --model minilm` process at
+         default settings (bench/common/processes.py); this process only its producer: every
+         text in one pipelined `Client.submit_many` while a second client collects the replies
+         (bench/throughput/gpu_served.py one_round), texts/s from the first submit to the last
+         reply. The worker's `worker.serving` log line says the dtype and layout it chose.
+offline  the model loaded as a default worker loads it (same dtype, gpu_offline.offline_setup)
+         called in-process, no Redis: texts sorted by length, fixed-size batches, over one or
+         several instances (bench/throughput/measure.py offline_rate); its fastest batch size
+         and layout are its limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common.processes import Workers
+from bench.peers.systems import System
+from bench.throughput.gpu_offline import offline_setup
+from bench.throughput.gpu_served import NAMESPACE, START_TIMEOUT_S, one_round, startup_events
+from bench.throughput.measure import layouts, offline_rate
+from worker.streams.server import RedisServer
+
+
+def start_worker(stack: ExitStack, folder: Path) -> Workers:
+    """A Redis and one default worker process, started (not yet waited for)."""
+    server = stack.enter_context(RedisServer(folder, appendonly=False))
+    return stack.enter_context(Workers(server.url, NAMESPACE, 1, folder, model="minilm",
+                                       log_level="info"))
+
+
+def served(workers: Workers) -> System:
+    """The default worker, once it reads; its dtype from its start-up log."""
+    workers.wait_until_reading(START_TIMEOUT_S)
+
+    def encode(texts: Sequence[str]) -> float:
+        return one_round(workers.redis_url, workers.model_name, texts)[0]
+
+    events = startup_events(workers.log_path(0).read_text(errors="replace").splitlines())
+    serving = events.get("worker.serving", {})
+    return System("redbatch", "redbatch", str(serving.get("dtype", "?")),
+                  {"default settings": encode},
+                  note=f"{serving.get('instances', '?')} instance(s) x "
+                       f"{serving.get('threads', '?')} thread(s); {serving.get('dtype_why', '')}")
+
+
+def offline(batch_sizes: Sequence[int], cores: int) -> System:
+    """The offline limit's configurations: every batch size with every layout."""
+    setup = offline_setup(torch.device("cpu"))
+
+    def config(size: int, layout: Any) -> Any:
+        return lambda texts: offline_rate(setup.model, texts, size, layout)
+
+    return System("redbatch offline", "redbatch", setup.dtype,
+                  {f"batch {size}, {layout}": config(size, layout)
+                   for size in batch_sizes for layout in layouts(cores)},
+                  note="the worker's model and executor in-process, no Redis")
