@@ -27,12 +27,16 @@ from bench.common.machine import describe_machine, machine_slug, usable_cpus
 from bench.common.paths import results_dir
 from bench.peers import onnx, redbatch, st
 from bench.peers.report import summarise, write
-from bench.peers.systems import Skipped, System
+from bench.peers.systems import Skipped, System, compare, missing
 
+#: the float32 references for the accuracy check, the first one that ran
+REFERENCES = ("sentence-transformers float32", "onnxruntime fp32")
+ACCURACY_TEXTS = 256
 PEERS = ("onnxruntime", "sentence-transformers", "infinity")
 INFINITY_WHY = ("did not install: infinity-emb 0.0.78 (the latest) requires numpy<2, and its "
                 "torch engine sentence-transformers<4 and transformers<=5.0; installing it would "
                 "downgrade them under everything else")
+INFINITY_NO_RUNNER = "installed, but not measured: no runner for it here yet"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,12 +69,27 @@ def peer_systems(peers: list[str], batch_sizes: list[int], cores: int, folder: P
         elif peer == "sentence-transformers":
             found = st.systems(batch_sizes, cores)
         else:  # infinity: no runner here until it installs beside this torch and numpy
-            found = [], [Skipped("infinity", "infinity", INFINITY_WHY)]
+            why = missing("infinity_emb")
+            found = [], [Skipped("infinity", "infinity",
+                                 f"{INFINITY_WHY} ({why})" if why else INFINITY_NO_RUNNER)]
         systems += found[0]
         skipped += found[1]
     for skip in skipped:
         say(f"{skip.name}: {skip.reason}")
     return systems, skipped
+
+
+def check_accuracy(systems: list[System], texts: list[str]) -> str | None:
+    """Each peer's lowest cosine to a float32 peer (its embeddings are what is compared, not
+    only its speed: int8 and bf16 trade accuracy); the reference's name (None: none ran)."""
+    reference = next((s for name in REFERENCES for s in systems if s.name == name), None)
+    if reference is None:
+        return None
+    compare(systems, reference, texts)
+    for system in systems:
+        if system.min_cosine is not None:
+            say(f"{system.name}: min cosine {system.min_cosine:.5f} to {reference.name}")
+    return reference.name
 
 
 def rounds(systems: list[System], texts: list[str], repeats: int) -> None:
@@ -98,10 +117,13 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         systems = [redbatch.served(workers), *systems, *found]
         for system in systems:
             chosen = system.choose(corpus.texts[:args.select_texts])
-            say(f"{system.name} ({system.dtype}): {chosen} "
+            say(f"{system.name} ({system.dtype}): {chosen}; tried "
                 + ", ".join(f"{d} {r:.0f}" for d, r in system.selection.items()))
+        reference = check_accuracy(systems, corpus.texts[:ACCURACY_TEXTS])
         rounds(systems, corpus.texts, args.repeats)
-    return {"texts": len(corpus.texts), "corpus": corpus.source, "repeats": args.repeats,
+    return {"accuracy_reference": reference,
+            "accuracy_texts": min(ACCURACY_TEXTS, len(corpus.texts)),
+            "texts": len(corpus.texts), "corpus": corpus.source, "repeats": args.repeats,
             "select_texts": args.select_texts, "batch_sizes": batch_sizes, "peers": peers,
             **summarise(systems, skipped)}
 

@@ -14,6 +14,7 @@ attention mask and L2 normalised, as MiniLM (sentence-transformers) does.
 from __future__ import annotations
 
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,8 @@ def export(folder: Path) -> tuple[Path, Any]:
                                                  padding=True, return_tensors="pt")
     target = folder / "minilm.onnx"
     axes = {name: {0: "batch", 1: "tokens"} for name in (*INPUTS, "last_hidden_state")}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's notes on shapes it keeps dynamic
         torch.onnx.export(LastHidden(model), tuple(sample[name] for name in INPUTS), str(target),
                           input_names=list(INPUTS), output_names=["last_hidden_state"],
                           dynamic_axes=axes, opset_version=17, dynamo=False)

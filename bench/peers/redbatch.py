@@ -7,8 +7,9 @@ served   an embedded Redis (no AOF) and one `python -m worker run --model minilm
          reply. The worker's `worker.serving` log line says the dtype and layout it chose.
 offline  the model loaded as a default worker loads it (same dtype, gpu_offline.offline_setup)
          called in-process, no Redis: texts sorted by length, fixed-size batches, over one or
-         several instances (bench/throughput/measure.py offline_rate); its fastest batch size
-         and layout are its limit.
+         several instances (bench/throughput/measure.py offline_rate); or the worker's own
+         batch limits with its batched tokeniser on one instance of every core
+         (gpu_offline.end_to_end); the fastest configuration is its limit.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from bench.common.processes import Workers
 from bench.peers.systems import System
-from bench.throughput.gpu_offline import offline_setup
+from bench.throughput.gpu_offline import end_to_end, offline_setup
 from bench.throughput.gpu_served import NAMESPACE, START_TIMEOUT_S, one_round, startup_events
 from bench.throughput.measure import layouts, offline_rate
 from worker.streams.server import RedisServer
@@ -57,7 +58,13 @@ def offline(batch_sizes: Sequence[int], cores: int) -> System:
     def config(size: int, layout: Any) -> Any:
         return lambda texts: offline_rate(setup.model, texts, size, layout)
 
-    return System("redbatch offline", "redbatch", setup.dtype,
-                  {f"batch {size}, {layout}": config(size, layout)
-                   for size in batch_sizes for layout in layouts(cores)},
+    def limits(texts: Sequence[str]) -> float:
+        torch.set_num_threads(cores)  # torch's threads are process-wide: the layouts set them
+        return end_to_end(setup, texts, repeats=1)
+
+    configs = {f"batch {size}, {layout}": config(size, layout)
+               for size in batch_sizes for layout in layouts(cores)}
+    configs[f"worker's batch limits {setup.limits[0]} rows / {setup.limits[1]} tokens, "
+            f"1 instance(s) x {cores} thread(s)"] = limits
+    return System("redbatch offline", "redbatch", setup.dtype, configs,
                   note="the worker's model and executor in-process, no Redis")

@@ -23,7 +23,8 @@ def system_rows(systems: list[System]) -> list[dict[str, Any]]:
     redbatch = systems[0].rates  # the default worker, always first
     return [{"name": s.name, "peer": s.peer, "dtype": s.dtype, "note": s.note,
              "config": s.chosen, "selection_texts_per_s": s.selection, "rates": s.rates,
-             "texts_per_s": median(s.rates), "redbatch_over": paired_ratio(redbatch, s.rates)}
+             "texts_per_s": median(s.rates), "min_cosine": s.min_cosine,
+             "redbatch_over": paired_ratio(redbatch, s.rates)}
             for s in systems]
 
 
@@ -56,13 +57,15 @@ def markdown(report: dict[str, Any]) -> str:
              f"CPU flags: {', '.join(machine['cpu_flags']) or 'none of interest'}; torch "
              f"{machine['torch']}; {report['texts']} texts ({report['corpus']}), "
              f"{report['repeats']} rounds side by side; `{report['command']}`", "",
-             "| system | dtype | best configuration | texts/s (median) | redbatch / it |",
-             "|---|---|---|---:|---:|"]
+             "| system | dtype | best configuration | texts/s (median) | redbatch / it | "
+             f"min cosine to {report['accuracy_reference'] or '-'} |",
+             "|---|---|---|---:|---:|---:|"]
     for row in report["systems"]:
+        cosine = "" if row["min_cosine"] is None else f"{row['min_cosine']:.5f}"
         lines.append(f"| {row['name']} | {row['dtype']} | {row['config']} | "
-                     f"{row['texts_per_s']:.1f} | {row['redbatch_over']:.2f}x |")
+                     f"{row['texts_per_s']:.1f} | {row['redbatch_over']:.2f}x | {cosine} |")
     for skip in report["skipped"]:
-        lines.append(f"| {skip['name']} | | {skip['reason']} | | |")
+        lines.append(f"| {skip['name']} | | {skip['reason']} | | | |")
     lines += ["", "Goals:", ""]
     lines += [f"- {'MET' if g['met'] else 'MISSED'}: {g['goal']}: {g['value']:.2f}x"
               for g in report["goals"]]

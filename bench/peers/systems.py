@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
+
 #: a configuration's encode: every text through the system once; a float it returns is its
 #: own texts/s (a served system times from first submit to last reply), else it is timed here
 Encode = Callable[[Sequence[str]], Any]
@@ -28,6 +30,7 @@ class System:
     chosen: str = ""  # the fastest configuration on the selection texts
     selection: dict[str, float] = field(default_factory=dict)  # texts/s by configuration
     rates: list[float] = field(default_factory=list)  # texts/s, one per round
+    min_cosine: float | None = None  # against the float32 reference (None: not compared)
 
     def choose(self, texts: Sequence[str]) -> str:
         """Time every configuration once on `texts` (after a warm pass) and keep the fastest;
@@ -45,6 +48,23 @@ class System:
     def measure(self, texts: Sequence[str]) -> float:
         self.rates.append(rate(self.configs[self.chosen], texts))
         return self.rates[-1]
+
+
+def embeddings(system: System, texts: Sequence[str]) -> numpy.ndarray | None:
+    """Its chosen configuration's rows for `texts` (None: it does not return them)."""
+    rows = system.configs[system.chosen](texts)
+    return numpy.asarray(rows, dtype=numpy.float32) if isinstance(rows, numpy.ndarray) else None
+
+
+def compare(systems: Sequence[System], reference: System, texts: Sequence[str]) -> None:
+    """Each system's lowest cosine to `reference` (normalised rows) over `texts`."""
+    expected = embeddings(reference, texts)
+    if expected is None:
+        return
+    for system in systems:
+        rows = embeddings(system, texts)
+        if rows is not None:
+            system.min_cosine = float((rows * expected).sum(axis=1).min())
 
 
 @dataclass(frozen=True)
