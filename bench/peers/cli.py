@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", default=",".join(PEERS),
                         help=f"comma-separated, of {', '.join(PEERS)}; 'none' for redbatch only")
     parser.add_argument("--seed", type=int, default=0, help="corpus sample")
+    parser.add_argument("--corpus-files", type=int, default=None,
+                        help="standard library files the corpus is sampled from (default all; "
+                             "a smoke run reads fewer, in less time)")
     parser.add_argument("--out", type=Path, default=results_dir("peers"), help="results folder")
     return parser
 
@@ -108,11 +111,11 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--peers: unknown {', '.join(sorted(unknown))}; of {', '.join(PEERS)}")
     cores = usable_cpus()
-    corpus = build_corpus(args.texts, args.seed)
+    corpus = build_corpus(args.texts, args.seed, args.corpus_files)
     with ExitStack() as stack:
         workers = redbatch.start_worker(stack, folder)  # starts while the others load
         say("loading redbatch offline ...")
-        systems = [redbatch.offline(batch_sizes, cores)]
+        systems = redbatch.offline(batch_sizes, cores)
         found, skipped = peer_systems(peers, batch_sizes, cores, folder)
         systems = [redbatch.served(workers), *systems, *found]
         for system in systems:

@@ -20,8 +20,8 @@ def test_the_peers_benchmark_measures_redbatch_and_reports_a_missing_peer(tmp_pa
                                                                           ) -> None:
     subprocess.run([sys.executable, "-m", "bench.peers", "--texts", "48", "--repeats", "2",
                     "--select-texts", "48", "--batch-sizes", "16", "--peers", "infinity",
-                    "--out", str(tmp_path)], cwd=REPO_ROOT, check=True, timeout=240,
-                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                    "--corpus-files", "40", "--out", str(tmp_path)], cwd=REPO_ROOT, check=True,
+                   timeout=240, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     (data,) = tmp_path.glob("*.json")
     report = json.loads(data.read_text())
     served, offline = report["systems"]
