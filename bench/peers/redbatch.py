@@ -40,6 +40,18 @@ def start_worker(stack: ExitStack, folder: Path) -> Workers:
                                        log_level="info"))
 
 
+def serving_line(workers: Workers, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The worker's `worker.serving` log event ({} if none in time): its reader may join the
+    group a moment before that line is written."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        log = workers.log_path(0).read_text(errors="replace").splitlines()
+        serving = startup_events(log).get("worker.serving")
+        if serving is not None or time.monotonic() > deadline:
+            return serving or {}
+        time.sleep(0.1)
+
+
 def served(workers: Workers) -> System:
     """The default worker, once it reads; its dtype from its start-up log."""
     workers.wait_until_reading(START_TIMEOUT_S)
@@ -47,8 +59,7 @@ def served(workers: Workers) -> System:
     def encode(texts: Sequence[str]) -> float:
         return one_round(workers.redis_url, workers.model_name, texts)[0]
 
-    events = startup_events(workers.log_path(0).read_text(errors="replace").splitlines())
-    serving = events.get("worker.serving", {})
+    serving = serving_line(workers)
     return System("redbatch", "redbatch", str(serving.get("dtype", "?")),
                   {"default settings": encode},
                   note=f"{serving.get('instances', '?')} instance(s) x "

@@ -18,16 +18,19 @@ from bench.common.processes import REPO_ROOT
 
 def test_the_peers_benchmark_measures_redbatch_and_reports_a_missing_peer(tmp_path: Path
                                                                           ) -> None:
-    subprocess.run([sys.executable, "-m", "bench.peers", "--texts", "48", "--repeats", "2",
-                    "--select-texts", "48", "--batch-sizes", "16", "--peers", "infinity",
-                    "--corpus-files", "40", "--out", str(tmp_path)], cwd=REPO_ROOT, check=True,
-                   timeout=240, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    run = subprocess.run([sys.executable, "-m", "bench.peers", "--texts", "48", "--repeats",
+                          "2", "--select-texts", "48", "--batch-sizes", "16", "--peers",
+                          "infinity", "--corpus-files", "40", "--out", str(tmp_path)],
+                         cwd=REPO_ROOT, timeout=240, capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     (data,) = tmp_path.glob("*.json")
     report = json.loads(data.read_text())
-    served, offline = report["systems"]
-    assert (served["name"], offline["name"]) == ("redbatch", "redbatch offline")
-    assert served["dtype"] == offline["dtype"] != "?"  # the worker said what it chose
-    for row in (served, offline):
+    served, offline, forward = report["systems"]
+    assert [served["name"], offline["name"], forward["name"]] == [
+        "redbatch", "redbatch offline", "redbatch forward only"]
+    assert served["dtype"] == offline["dtype"] == forward["dtype"] != "?"  # the worker said
+    for row in (served, offline, forward):
         assert len(row["rates"]) == 2 and row["texts_per_s"] > 0 and row["redbatch_over"] > 0
     assert offline["config"] in offline["selection_texts_per_s"]
     assert len(offline["selection_texts_per_s"]) >= 2  # its layouts, and the worker's limits
