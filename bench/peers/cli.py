@@ -72,9 +72,8 @@ def peer_systems(peers: list[str], batch_sizes: list[int], cores: int, folder: P
         elif peer == "sentence-transformers":
             found = st.systems(batch_sizes, cores)
         else:  # infinity: no runner here until it installs beside this torch and numpy
-            why = missing("infinity_emb")
-            found = [], [Skipped("infinity", "infinity",
-                                 f"{INFINITY_WHY} ({why})" if why else INFINITY_NO_RUNNER)]
+            found = [], [Skipped("infinity", "infinity", INFINITY_WHY
+                                 if missing("infinity_emb") else INFINITY_NO_RUNNER)]
         systems += found[0]
         skipped += found[1]
     for skip in skipped:
