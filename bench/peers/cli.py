@@ -22,6 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.common.corpus import build_corpus
 from bench.common.machine import describe_machine, machine_slug, usable_cpus
 from bench.common.paths import results_dir
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{' '.join(report['machine']['cpu_flags'])}")
     with tempfile.TemporaryDirectory(prefix="redbatch-peers-") as folder:
         report.update(measure(args, Path(folder)))
+    report["load_average_end"] = [round(x, 2) for x in psutil.getloadavg()]
     report["seconds"] = time.perf_counter() - started
     stem = args.out / f"{report['started'][:10]}-{machine_slug(report['machine'])}"
     data, table = write(report, stem)

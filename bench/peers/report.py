@@ -56,7 +56,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# redbatch against its peers on {machine['cpu']} ({machine['cpus']} cores)", "",
              f"CPU flags: {', '.join(machine['cpu_flags']) or 'none of interest'}; torch "
              f"{machine['torch']}; {report['texts']} texts ({report['corpus']}), "
-             f"{report['repeats']} rounds side by side; `{report['command']}`", "",
+             f"{report['repeats']} rounds side by side; load average {machine['load_average']} "
+             f"at the start, {report['load_average_end']} at the end; `{report['command']}`", "",
              "| system | dtype | best configuration | texts/s (median) | redbatch / it | "
              f"min cosine to {report['accuracy_reference'] or '-'} |",
              "|---|---|---|---:|---:|---:|"]
