@@ -26,6 +26,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: the CPU flags that decide how fast bf16 and int8 matmuls run (AMX tiles, AVX-512 BF16/VNNI)
+MATRIX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni",
+                "avx_vnni")
+
+
+def cpu_flags() -> list[str]:
+    """Which of MATRIX_FLAGS /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    present = set(line.partition(":")[2].split())
+    return [flag for flag in MATRIX_FLAGS if flag in present]
+
+
 def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -41,6 +57,7 @@ def describe_machine() -> dict[str, Any]:
     return {
         "hostname": socket.gethostname(),
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpus": usable_cpus(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "load_average": [round(x, 2) for x in psutil.getloadavg()],

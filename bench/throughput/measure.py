@@ -50,6 +50,14 @@ def offline_rate(model: Model, texts: Sequence[str], batch_size: int, layout: La
     batches, longest first (what sentence-transformers' `encode` does). Several instances
     take the batches in that order, each on its own thread (as Triton's instance groups, or
     sentence-transformers' multi-process pool, without the processes)."""
+    started = time.perf_counter()
+    run_batches(model, [model.prepare({"text": text}, len(text.encode())) for text in texts],
+                batch_size, layout)
+    return len(texts) / (time.perf_counter() - started)
+
+
+def run_batches(model: Model, items: list[Prepared], batch_size: int, layout: Layout) -> None:
+    """offline_rate's compute: prepared items sorted longest first, over the instances."""
     torch.set_num_threads(layout.threads)
     device = resolve_device("cpu")
     own = threading.local()  # each instance's thread runs its own executor
@@ -59,13 +67,10 @@ def offline_rate(model: Model, texts: Sequence[str], batch_size: int, layout: La
             own.executor = Executor(model, device)
         own.executor.run(batch)
 
-    started = time.perf_counter()
-    items = [model.prepare({"text": text}, len(text.encode())) for text in texts]
-    items.sort(key=lambda item: item.length, reverse=True)
+    items = sorted(items, key=lambda item: item.length, reverse=True)
     with ThreadPoolExecutor(layout.instances) as instances:  # torch's thread count is global
         list(instances.map(run, [items[start:start + batch_size]
                                  for start in range(0, len(items), batch_size)]))
-    return len(texts) / (time.perf_counter() - started)
 
 
 def batches_of(envelopes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
