@@ -12,20 +12,15 @@ layouts (execution/step_layouts.py) shaped for the device:
   context) class, each with one gather and one attention call per layer; a class with a
   captured CUDA graph (execution/step_graphs.py) replays as one launch.
 
-The model's attention is the engine's own (execution/paged_attention.py, registered through
-transformers' AttentionInterface): the forward's layout is set for its duration
-(`stepping`), and the forward keeps no cache of its own (`use_cache=False`).
-
-A step's inputs for all its forwards (token ids, positions, KV slots, the sampler's
-per-row inputs) are staged on the host and go to the device in one copy through
-preallocated buffers (execution/staging.py, step_buffers.py); the tokens of all its forwards
-are chosen on the device (execution/sampling.py) and come back in one copy. `step` is
-`launch` then `finish`; between the two the caller may launch the next step, whose decoding
-rows then read their input tokens on the device (steps overlapped, on a GPU).
-
-Preempted and finished sequences give their blocks back; a preempted one's next prefill
-recomputes its cache from its tokens. Torch only: no Redis, no threads (the generate loop,
-pipeline/generate.py, calls it).
+The model's attention is the engine's own (execution/paged_attention.py, through
+transformers' AttentionInterface), its layout set for the forward (`stepping`). A step's
+inputs go to the device in one copy (execution/staging.py, step_buffers.py); its tokens are
+chosen there (execution/sampling.py, after the grammar masks of execution/grammar_mask.py
+and the penalties) and come back in one copy. `step` is `launch` then `finish`; between the
+two the caller may launch the next step, whose decoding rows then read their input tokens
+on the device (steps overlapped, on a GPU). Preempted and finished sequences give their
+blocks back; a preempted one's next prefill recomputes its cache. Torch only: no Redis, no
+threads (the generate loop, pipeline/generate.py, calls it).
 """
 
 from __future__ import annotations
@@ -37,6 +32,7 @@ import torch
 
 from worker.execution.detokenize import Delta, TextState, decoder_of
 from worker.execution.executor import is_out_of_memory
+from worker.execution.grammar_mask import GrammarMasks
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import Layout, stepping, use_paged_attention
 from worker.execution.sampling import choose_tokens
@@ -85,14 +81,15 @@ class GenerationEngine:
         self.prefills: ShapeClasses = prefill_classes(max_step_tokens, kv_tokens)
         self.graphs: StepGraphs | None = None  # capture_graphs() fills it, on CUDA
         self.flight: TokensInFlight | None = None  # the last launch's, until it finishes
+        self.masks = GrammarMasks(lm.config.vocab_size, device, max_seqs)  # grammar_mask.py
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-            entropy: int = 0) -> None:
-        """`entropy`: seeds the draws of an unseeded sampling request."""
+            entropy: int = 0, matcher: Any = None) -> None:
+        """`entropy`: seeds an unseeded draw; `matcher`: its grammar's (grammar_mask.py)."""
         seed = params.seed if params.seed is not None else entropy
         self.seqs[seq_id] = EngineSeq(seq_id, list(prompt_ids),
-                                      TextState(params, self.eos_ids), seed)
+                                      TextState(params, self.eos_ids), seed, matcher=matcher)
 
     def knows(self, tokens: Sequence[int]) -> bool:
         """Whether every token is in the model's vocabulary (a resumed stream's tokens are
@@ -101,7 +98,9 @@ class GenerationEngine:
 
     def resume(self, seq_id: str, tokens: Sequence[int], sent_text: str) -> str | None:
         """Continue a sequence after the tokens a previous worker streamed (its next prefill
-        covers the prompt and them); returns the finish reason if they had ended it."""
+        covers the prompt and them, its matcher is rebuilt from them); returns the finish
+        reason if they had ended it."""
+        self.masks.replay(self.seqs[seq_id], tokens)
         return self.seqs[seq_id].text.resume(tokens, sent_text, self.decode)
 
     def drop(self, seq_id: str) -> EngineSeq | None:
@@ -227,6 +226,8 @@ class GenerationEngine:
         logits = self._forward(forward)
         if forward.draws is None:
             return None
+        if masked := self.masks.fill(forward.seqs, forward.works):  # while the device computes
+            logits = self.masks.apply(logits, masked)
         packed = forward.device[1] if len(forward.device) > 1 else None
         if forward.penalties is not None:
             layout = forward.layout
@@ -272,6 +273,7 @@ class GenerationEngine:
         return self.graphs
 
     def _append(self, seq: EngineSeq, token: int) -> Delta:
+        self.masks.advance(seq, token)
         delta = seq.text.append(seq.id, token, self.decode)
         if delta.finish_reason:
             seq.ended = True

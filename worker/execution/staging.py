@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class EngineSeq:
     slots: list[int] = field(default_factory=list)  # its tokens' slots, as far as reserved
     cached: int = 0  # tokens whose keys and values are in its blocks
     ended: bool = False  # its last token is in: a step launched before that is ignored
+    matcher: Any = None  # its llguidance matcher (execution/grammar_mask.py), if constrained
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Its tokens [start, end) that are on the host (not one still in flight)."""

@@ -6,7 +6,8 @@ InvalidInput (answered `invalid_request`), never a failure of the worker.
     top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings of
     <= 1,000 characters), stream (bool, default true), presence_penalty,
     frequency_penalty, repetition_penalty, logit_bias, min_tokens (models/penalty_params.py);
-    a key set to null counts as left out
+    response_format, structured_outputs (models/structured_params.py); a key set to null
+    counts as left out
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.models.base import InvalidInput
 from worker.models.penalty_params import penalty_fields
+from worker.models.structured_params import Constraint, constraint_of
 
 SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
         "{\"role\": <string>, \"content\": <string>})"
@@ -40,6 +42,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    constraint: Constraint | None = None  # a grammar its tokens must match (llguidance)
 
     @property
     def penalised(self) -> bool:
@@ -146,4 +149,5 @@ def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
                            "stream")
     max_new = min(max_new, context - prompt_len)
     return SamplingParams(max_new, temperature, top_p, min(top_k, TOP_K_CAP), seed,
-                          _stops(payload), **penalty_fields(payload, max_new, vocab))
+                          _stops(payload), **penalty_fields(payload, max_new, vocab),
+                          constraint=constraint_of(payload))
