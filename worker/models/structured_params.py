@@ -23,6 +23,10 @@ MAX_SCHEMA_DEPTH = 64  # objects and lists nested in a schema
 MAX_CHOICES = 1_000
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 ANY_OBJECT = '{"type": "object"}'
+# JSON as OpenAI writes it ({"a": 1, "b": [2, 3]}): no free whitespace, which a weak model
+# can emit forever; a schema may ask for it with "x-guidance": {"whitespace_flexible": true}
+COMPACT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+                           "key_separator": ": "}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +44,7 @@ class Constraint:
         from llguidance import LLMatcher
 
         if self.kind == "json":
-            return str(LLMatcher.grammar_from_json_schema(self.source))
+            return str(LLMatcher.grammar_from_json_schema(self.source, defaults=COMPACT))
         if self.kind == "regex":
             return str(LLMatcher.grammar_from_regex(self.source))
         if self.kind == "choice":
