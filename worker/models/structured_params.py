@@ -44,7 +44,8 @@ class Constraint:
         from llguidance import LLMatcher
 
         if self.kind == "json":
-            return str(LLMatcher.grammar_from_json_schema(self.source, defaults=COMPACT))
+            return str(LLMatcher.grammar_from_json_schema(
+                self.source, defaults=COMPACT))  # type: ignore[arg-type]
         if self.kind == "regex":
             return str(LLMatcher.grammar_from_regex(self.source))
         if self.kind == "choice":
