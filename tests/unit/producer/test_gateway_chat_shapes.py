@@ -59,7 +59,9 @@ def test_completion_prompt() -> None:
 CHAT_ERRORS = [
     ({"model": "lm", "messages": MESSAGES, "n": 2}, "n", "unsupported_parameter"),
     ({"model": "lm", "messages": MESSAGES, "n": 0}, "n", "invalid_request"),
-    ({"model": "lm", "messages": MESSAGES, "tools": []}, "tools", "unsupported_parameter"),
+    ({"model": "lm", "messages": MESSAGES, "functions": []}, "functions",
+     "unsupported_parameter"),
+    ({"model": "lm", "messages": MESSAGES, "tools": []}, "tools", "invalid_request"),
     ({"model": "lm", "messages": MESSAGES, "logprobs": True}, "logprobs",
      "unsupported_parameter"),
     ({"model": "lm"}, "messages", "invalid_request"),

@@ -1,0 +1,148 @@
+"""The grammar masks (execution/grammar_mask.py) on the tiny model's tokenizer: filled by
+llguidance into the preallocated buffer (no new buffer per step), applied in one masked fill
+to the constrained rows only, and the matchers advanced, replayed and failed as the engine
+does; the payload fields (models/structured_params.py) parsed and refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tests.rigs.tiny_lm import build_tiny_lm
+from worker.execution.grammar_mask import GrammarMasks, words_of
+from worker.models.base import InvalidInput
+from worker.models.structured_params import (
+    MAX_GRAMMAR_CHARS,
+    MAX_SCHEMA_DEPTH,
+    Constraint,
+    constraint_of,
+)
+from worker.pipeline.grammars import GrammarCompiler
+from worker.policy.decoding import Work
+
+VOCAB = 320
+DIGITS = Constraint("structured_outputs", "regex", "[0-9]{2}")
+
+
+@dataclass
+class Seq:
+    id: str
+    matcher: Any = None
+    ended: bool = False
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(build_tiny_lm(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Any) -> Iterator[GrammarCompiler]:
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    yield compiler
+    compiler.close()
+
+
+def fresh(compiler: GrammarCompiler, constraint: Constraint = DIGITS) -> Any:
+    compiled = compiler.compile(constraint).result(timeout=10)
+    assert not isinstance(compiled, str), compiled
+    return compiled.deep_copy()
+
+
+def emitting(count: int) -> list[Work]:
+    return [Work(str(i), 4, 5, True) for i in range(count)]
+
+
+def test_the_mask_keeps_only_the_grammars_tokens_on_the_constrained_rows(
+        tokenizer: Any, compiler: GrammarCompiler) -> None:
+    masks = GrammarMasks(VOCAB, torch.device("cpu"), rows=2)
+    buffer = masks.host.data_ptr()
+    seqs = [Seq("free"), Seq("digits", fresh(compiler)), Seq("done", fresh(compiler), True)]
+    logits = torch.randn(3, VOCAB)
+    assert masks.fill(seqs, emitting(3)) == 1 and masks.host.data_ptr() == buffer
+    masked = masks.apply(logits, 1)
+    digits = {i for i in range(VOCAB) if tokenizer.decode([i]).isdigit()
+              and len(tokenizer.decode([i])) <= 2}
+    allowed = set(torch.isfinite(masked[1]).nonzero().flatten().tolist())
+    assert allowed and allowed <= digits and digits & allowed == allowed
+    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    assert words_of(VOCAB) * 32 >= VOCAB and masks.words == words_of(VOCAB)
+
+
+def test_more_rows_than_allocated_grow_the_buffer_once(compiler: GrammarCompiler) -> None:
+    masks = GrammarMasks(VOCAB, torch.device("cpu"), rows=1)
+    seqs = [Seq(str(i), fresh(compiler)) for i in range(3)]
+    assert masks.fill(seqs, emitting(3)) == 3 and masks.rows >= 3
+    buffer = masks.host.data_ptr()
+    assert masks.fill(seqs, emitting(3)) == 3 and masks.host.data_ptr() == buffer
+    assert torch.isinf(masks.apply(torch.zeros(3, VOCAB), 3)).any(dim=1).all()
+
+
+def test_matchers_advance_replay_and_fail_by_sequence(tokenizer: Any,
+                                                      compiler: GrammarCompiler) -> None:
+    masks = GrammarMasks(VOCAB, torch.device("cpu"))
+    ok, off, resumed = (Seq(name, fresh(compiler)) for name in ("ok", "off", "resumed"))
+    for token in tokenizer("42", add_special_tokens=False).input_ids:
+        masks.advance(ok, token)
+    masks.advance(ok, tokenizer.eos_token_id)
+    masks.advance(off, tokenizer("x", add_special_tokens=False).input_ids[0])
+    masks.replay(resumed, tokenizer("4", add_special_tokens=False).input_ids)
+    assert set(masks.failures()) == {"off"} and masks.failures() == {}
+    assert ok.matcher.is_stopped() and not resumed.matcher.is_error()
+
+
+def test_refused_grammars_are_cached_errors(compiler: GrammarCompiler) -> None:
+    for constraint in (Constraint("structured_outputs", "lark", "start: (("),
+                       Constraint("response_format", "json", '{"type": "strin"}')):
+        first = compiler.compile(constraint)
+        assert isinstance(first.result(timeout=10), str)
+        assert compiler.compile(constraint) is first  # a repeat is refused at once
+
+
+@pytest.mark.parametrize("payload, kind", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, "json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer"}}}}, "json"),
+    ({"structured_outputs": {"json": '{"type": "integer"}'}}, "json"),
+    ({"structured_outputs": {"regex": "a+"}}, "regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "choice"),
+    ({"structured_outputs": {"grammar": 'start: "a"'}}, "lark"),
+])
+def test_the_payload_fields_become_one_constraint(payload: dict[str, Any],
+                                                  kind: str | None) -> None:
+    constraint = constraint_of(payload)
+    assert (constraint.kind if constraint else None) == kind
+
+
+def deep(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("payload, field", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     "response_format"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}}, "structured_outputs"),
+    ({"structured_outputs": {"json": deep(MAX_SCHEMA_DEPTH)}}, "structured_outputs"),
+    ({"structured_outputs": {"json": "[" * 40_000 + "]" * 40_000}}, "structured_outputs"),
+], ids=["type", "schema-list", "both", "two-kinds", "bad-json", "no-choice", "too-long",
+        "too-deep", "deep-text"])
+def test_bad_fields_are_refused_naming_the_field(payload: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        constraint_of(payload)
+    assert refused.value.details["field"] == field
