@@ -1,10 +1,13 @@
 """The grammar masks (execution/grammar_mask.py) on the tiny model's tokenizer: filled by
 llguidance into the preallocated buffer (no new buffer per step), applied in one masked fill
 to the constrained rows only, and the matchers advanced, replayed and failed as the engine
-does; the payload fields (models/structured_params.py) parsed and refused by name."""
+does; the gate holding a request until its grammar is in (or refusing it past its
+time); the payload fields (models/structured_params.py) parsed and refused by name."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,16 +15,20 @@ from typing import Any
 import pytest
 import torch
 
+from producer.protocol import MSGPACK
+from producer.request_entry import Request
 from tests.rigs.tiny_lm import build_tiny_lm
 from worker.execution.grammar_mask import GrammarMasks, words_of
-from worker.models.base import InvalidInput
+from worker.models.base import InvalidInput, Prepared
+from worker.models.generation_params import GenerationInput, SamplingParams
 from worker.models.structured_params import (
     MAX_GRAMMAR_CHARS,
     MAX_SCHEMA_DEPTH,
     Constraint,
     constraint_of,
 )
-from worker.pipeline.grammars import GrammarCompiler
+from worker.pipeline.grammars import HELD, GrammarCompiler, GrammarGate, GrammarRefused
+from worker.policy.batching import Pending
 from worker.policy.decoding import Work
 
 VOCAB = 320
@@ -146,3 +153,37 @@ def test_bad_fields_are_refused_naming_the_field(payload: dict[str, Any], field:
     with pytest.raises(InvalidInput) as refused:
         constraint_of(payload)
     assert refused.value.details["field"] == field
+
+
+def pending(entry_id: str, constraint: Constraint | None) -> Pending:
+    data = GenerationInput([1], SamplingParams(4, constraint=constraint), stream=False)
+    return Pending(entry_id, Request(entry_id, b"", MSGPACK, "reply", None), Prepared(1, data),
+                   read_at=0.0)
+
+
+def test_the_gate_holds_a_request_until_its_grammar_is_in_or_over_time(
+        tokenizer: Any) -> None:
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id], threads=1)
+    busy = threading.Event()
+    compiler._pool.submit(busy.wait, 10)  # the one compile thread is taken: compiles queue
+    woken: list[bool] = []
+    gate = GrammarGate(compiler, lambda: woken.append(True), limit_s=0.2)
+    slow = Constraint("structured_outputs", "regex", "[a-z]{3}")
+    try:
+        assert gate.take(pending("free", None), None) is None
+        assert gate.take(pending("late", slow), None) is HELD and not gate.due()
+        time.sleep(0.3)  # over its limit, still queued: refused, naming the field
+        assert gate.due() and [p.entry_id for p, _ in gate.ready()] == ["late"]
+        with pytest.raises(GrammarRefused) as refused:
+            gate.take(pending("late", slow), None)
+        assert refused.value.field == "structured_outputs" and "took over" in str(refused.value)
+        assert gate.take(pending("next", slow), None) is HELD
+        busy.set()
+        compiler.compile(slow).result(timeout=10)
+        assert woken and [p.entry_id for p, _ in gate.ready()] == ["next"]
+        own = gate.take(pending("next", slow), None)
+        assert own is not gate.take(pending("again", slow), None)  # each its own matcher
+        assert own.consume_tokens(tokenizer("abc", add_special_tokens=False).input_ids)
+    finally:
+        busy.set()
+        compiler.close()
