@@ -16,6 +16,7 @@ allocated per step but the few small tensors of the fill on the device.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ class GrammarMasks:
         self.vocab, self.words, self.device = vocab, words_of(vocab), device
         self.failed: dict[str, str] = {}  # sequence id -> llguidance's error
         self.executor: Any = None  # llguidance's LLExecutor, made with the first fill
+        self.fills, self.fill_s = 0, 0.0  # forwards masked and the host's seconds on them
         self._allocate(rows)
         self.shifts = torch.arange(WORD_BITS, dtype=torch.int32, device=device)
 
@@ -62,6 +64,7 @@ class GrammarMasks:
                   if work.emits and seq.matcher is not None and not seq.ended]
         if not masked:
             return 0
+        started = time.perf_counter()
         if len(masked) > self.rows:  # more rows than any step had so far: once
             self._allocate(max(len(masked), 2 * self.rows))
         count = len(masked)
@@ -76,6 +79,7 @@ class GrammarMasks:
         if self.on_device is not self.host:  # indices and masks: one copy
             self.on_device[:self.rows + count * self.words].copy_(
                 self.host[:self.rows + count * self.words], non_blocking=True)
+        self.fills, self.fill_s = self.fills + 1, self.fill_s + time.perf_counter() - started
         return count
 
     def _executor(self) -> Any:
