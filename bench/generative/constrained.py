@@ -93,6 +93,7 @@ def constrained_mix(model: Any, requests: Sequence[GenRequest],
     compiler = GrammarCompiler(model.tokenizer, model.lm.config.vocab_size, model.eos_ids)
     results: dict[str, Any] = {"schema": SCHEMA}
     try:
+        run_mix(model, requests[:4], 4, compiler)  # warm-up: the first run's allocations
         for cap in concurrency:
             plain, mixed = run_mix(model, requests, cap, None), run_mix(model, requests, cap,
                                                                         compiler)
