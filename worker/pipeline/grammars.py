@@ -57,7 +57,8 @@ class GrammarCompiler:
                  threads: int = COMPILE_THREADS) -> None:
         self._hf, self._vocab, self._eos = tokenizer, vocab, sorted(eos_ids)
         self._tokenizer: Any = None  # llguidance's, built with the first compile (~0.3 s)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache's (held by the loop: never for long)
+        self._building = threading.Lock()  # the tokenizer's, built on a compile thread
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
 
@@ -89,7 +90,7 @@ class GrammarCompiler:
 
     def tokenizer(self) -> Any:
         """llguidance's tokenizer of the model (its vocabulary as wide as the logits)."""
-        with self._lock:
+        with self._building:
             if self._tokenizer is None:
                 from llguidance.hf import from_tokenizer
 
