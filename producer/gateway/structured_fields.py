@@ -73,12 +73,13 @@ def _structured_outputs(value: Any) -> None:
 
 
 def _size(value: Any, name: str) -> None:
-    """Refuse a grammar past the worker's limits before it is sent."""
-    if depth(value) > MAX_SCHEMA_DEPTH + 2:  # the schema's levels and its two wrappers
-        raise invalid(f"'{name}' nests deeper than {MAX_SCHEMA_DEPTH} levels", name)
+    """Refuse a grammar past the worker's limits before it is sent: the size first (in C),
+    so the walk for the depth is over at most MAX_GRAMMAR_CHARS of JSON."""
     chars = len(jsonio.dumps(value))
     if chars > MAX_GRAMMAR_CHARS:
         raise invalid(f"'{name}' is {chars} bytes of JSON; at most {MAX_GRAMMAR_CHARS}", name)
+    if depth(value) > MAX_SCHEMA_DEPTH + 2:  # the schema's levels and its two wrappers
+        raise invalid(f"'{name}' nests deeper than {MAX_SCHEMA_DEPTH} levels", name)
 
 
 def depth(value: Any) -> int:

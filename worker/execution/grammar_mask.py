@@ -75,7 +75,7 @@ class GrammarMasks:
             self.words * 4, self.rows)
         for _, seq in masked:
             if seq.matcher.is_error():
-                self.failed[seq.id] = seq.matcher.get_error()
+                self.failed[seq.id] = seq.matcher.get_error()[:300]
         if self.on_device is not self.host:  # indices and masks: one copy
             self.on_device[:self.rows + count * self.words].copy_(
                 self.host[:self.rows + count * self.words], non_blocking=True)

@@ -31,6 +31,7 @@ log = structlog.get_logger("redbatch.worker")
 COMPILE_THREADS = 2
 COMPILE_LIMIT_S = 5.0  # a compile still running then is refused (it ends on its own limits)
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
+ERROR_CHARS = 300
 HELD = object()  # GrammarGate.take: the request waits for its grammar
 
 
@@ -42,6 +43,11 @@ def parser_limits() -> Any:
                           step_lexer_fuel=200_000, step_max_items=50_000,
                           max_lexer_states=50_000, max_grammar_size=200_000,
                           verbose_errors=False)
+
+
+def short(error: str) -> str:
+    """llguidance's error cut to ERROR_CHARS (it may quote the whole grammar)."""
+    return error if len(error) <= ERROR_CHARS else error[:ERROR_CHARS] + "..."
 
 
 class GrammarRefused(ValueError):
@@ -148,5 +154,5 @@ class GrammarGate:
         compiled = future.result() if future.exception() is None else str(future.exception())
         if isinstance(compiled, str):
             raise GrammarRefused(f"'{constraint.field}' is not a grammar llguidance can "
-                                 f"enforce: {compiled}", constraint.field)
+                                 f"enforce: {short(compiled)}", constraint.field)
         return compiled.deep_copy()
