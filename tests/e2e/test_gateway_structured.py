@@ -114,7 +114,7 @@ def hostile_bodies() -> list[bytes]:
         MODEL.encode() + b'{"type": "json_schema", "json_schema": {"name": "s", "schema": '
     million = head + b'{"a":' * 1_000_000 + b"1" + b"}" * 1_000_000 + b"}}}"
     ten_mb = {"type": "object", "properties": {
-        f"p{i}": {"type": "string", "description": "x" * 90} for i in range(100_000)}}
+        f"p{i}": {"type": "string", "description": "x" * 90} for i in range(72_000)}}
     deep: dict[str, Any] = {"type": "string"}
     for _ in range(100):
         deep = {"type": "array", "items": deep}
@@ -169,8 +169,8 @@ def test_hostile_grammars_are_400_and_a_victim_beside_them_answers_promptly(
     assert statuses == [400] * len(hostile)
     print(f"victim alone {alone:.2f} s, beside the hostile requests {beside:.2f} s")
     # nothing held the generate loop; the margin: gateway, worker and client share one GIL
-    # here, and the gateway decodes 16 MB of hostile JSON meanwhile
-    assert beside < 3 * alone + 1.0, (beside, alone)
+    # here, and the gateway's loop decodes 16 MB of hostile JSON meanwhile (0.3 s for 10 MB)
+    assert beside < 3 * alone + 2.0, (beside, alone)
     exploding = "(a|b)*a(a|b){60}"  # lazily built by llguidance: enforced, not stalled
     answer = client.completions.create(model=MODEL, prompt="x", max_tokens=80, extra_body={
         "structured_outputs": {"regex": exploding}})
