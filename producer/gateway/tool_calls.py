@@ -3,7 +3,7 @@
 `tools` with `tool_choice` "required" or a named function become a JSON-schema constraint
 on the answer ({"name": <a tool's name>, "arguments": <its parameters' schema>}; "required"
 is an anyOf over the tools), sent to the worker as `structured_outputs.json`, with the tools
-described in a system message (a chat template without a tool format, as SmolLM2's, would
+described in the system message (a chat template without a tool format, as SmolLM2's, would
 not show them to the model). The answer is one call, shaped as OpenAI's `message.tool_calls`
 with finish_reason "tool_calls"; streamed, the call comes in one chunk when it is complete.
 `tool_choice` "none" is plain generation (the tools are ignored). "auto" (the default when
@@ -49,7 +49,7 @@ def tool_fields(fields: dict[str, Any], messages: list[dict[str, str]]) -> dict[
         else _call_schema(chosen[0])
     if len(jsonio.dumps(schema)) > MAX_GRAMMAR_CHARS:
         raise invalid(f"'tools' make a schema over {MAX_GRAMMAR_CHARS} bytes", "tools")
-    messages.insert(_system_at(messages), {"role": "system", "content": _described(chosen)})
+    _describe(messages, _described(chosen))
     return {"structured_outputs": {"json": schema}}
 
 
@@ -89,9 +89,13 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
         "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _system_at(messages: list[dict[str, str]]) -> int:
-    """Where the tools' system message goes: after the leading system messages."""
-    return next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+def _describe(messages: list[dict[str, str]], description: str) -> None:
+    """The tools' description at the end of the first system message, or in a new one
+    first (a chat template may refuse two system messages in a row)."""
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{description}"}
+    else:
+        messages.insert(0, {"role": "system", "content": description})
 
 
 def _described(functions: list[dict[str, Any]]) -> str:

@@ -38,9 +38,12 @@ def test_required_is_an_any_of_over_the_tools_calls() -> None:
                   {"name": "add"}, {"name": "now", "arguments": {}, "x": 1}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
-    roles = [m["role"] for m in request.payload["messages"]]
-    assert roles == ["system", "system", "user"] and "add" in \
-        request.payload["messages"][1]["content"]
+    system, user = request.payload["messages"]
+    assert system["content"].startswith("be brief\n\n") and '"name": "add"' in system["content"]
+    assert user == CHAT["messages"][1]
+    alone = parse_chat_request({**CHAT, "messages": [user], "tools": TOOLS,
+                                "tool_choice": "required"}).payload["messages"]
+    assert [m["role"] for m in alone] == ["system", "user"] and '"now"' in alone[0]["content"]
 
 
 def test_a_named_function_is_its_one_call_and_none_ignores_the_tools() -> None:
