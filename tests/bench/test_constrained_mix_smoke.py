@@ -4,6 +4,7 @@ against the schema or was cut by max_new_tokens. CI measures nothing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,7 +19,8 @@ def test_the_constrained_mix_runs_on_a_tiny_input(tmp_path: Path) -> None:
     model = CausalLM(path=str(build_tiny_lm(tmp_path, n_positions=1024)), max_seqs=4)
     model.dtype = torch.float32
     model.load(torch.device("cpu"))
-    requests = build_workload(model, 6)
+    requests = [replace(r, max_new_tokens=min(r.max_new_tokens, 32))  # seconds, not more
+                for r in build_workload(model, 6)]
     results = constrained_mix(model, requests, [3])["3"]
     plain, mixed = results["unconstrained"], results["mixed"]
     assert plain["tokens"] > 0 and mixed["tokens"] > 0 and results["ratio"] > 0
