@@ -22,6 +22,7 @@ import jsonschema
 import torch
 
 from bench.generative.workload import GenRequest, build_workload
+from worker.execution.executor import device_precision
 from worker.execution.generation import engine_for
 from worker.models import create_model
 from worker.models.generation_params import SamplingParams
@@ -117,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     model = create_model(args.model, {"max_seqs": max(args.concurrency), **args.model_options})
-    model.dtype = torch.float32
-    model.load(torch.device("cpu"))
+    model.dtype = getattr(torch, device_precision("auto", device, generative=True).dtype)
+    model.load(device)
     requests = build_workload(model, args.prompts, args.seed)
     print(json.dumps(constrained_mix(model, requests, args.concurrency), indent=1))
     return 0

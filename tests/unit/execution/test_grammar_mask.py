@@ -191,3 +191,17 @@ def test_the_gate_holds_a_request_until_its_grammar_is_in_or_over_time(
     finally:
         busy.set()
         compiler.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_masks_come_from_the_pinned_buffer_in_one_copy_and_equal_the_cpus(
+        compiler: GrammarCompiler) -> None:
+    logits = torch.randn(4, VOCAB)
+    seqs = [Seq(str(i), fresh(compiler) if i % 2 else None) for i in range(4)]
+    cpu = GrammarMasks(VOCAB, torch.device("cpu"))
+    on_cpu = cpu.apply(logits.clone(), cpu.fill(seqs, emitting(4)))
+    cuda = GrammarMasks(VOCAB, torch.device("cuda"))
+    assert cuda.host.is_pinned() and cuda.on_device.is_cuda
+    on_gpu = cuda.apply(logits.cuda(), cuda.fill(seqs, emitting(4)))
+    assert torch.equal(on_gpu.cpu(), on_cpu) and torch.isinf(on_cpu[1]).any()
+    assert torch.equal(on_cpu[0], logits[0])
