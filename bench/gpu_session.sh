@@ -37,3 +37,8 @@ stage 40 python3 -m pytest -q -p no:cacheprovider --timeout 30 -k "cuda or preci
   tests/redis/single/test_cuda_graphs.py \
   tests/redis/single/test_precision.py
 stage 50 python3 -m bench.gpu_check --checks exactness --out "$OUT"
+# structured outputs (issue 44): needs llguidance in the bundle; the masks on CUDA, then the
+# constrained mix (half the requests under a JSON schema) against unconstrained; last, so
+# that past the call's 590 s only these are cut
+stage 20 python3 -m pytest -q -p no:cacheprovider -k cuda tests/unit/execution/test_grammar_mask.py
+stage 60 python3 -m bench.generative.constrained --device cuda --prompts 64 --concurrency 16 64

@@ -100,4 +100,22 @@ def markdown(results: dict[str, Any]) -> str:
              f"added {memory['serving_growth_mib']:.0f} MiB against KV budget + 10 % of "
              f"weights + KV = {memory['allowed_growth_mib']:.0f} MiB: "
              f"{'met' if memory['growth_met'] else 'NOT met'}.", ""]
+    if "constrained_mix" in results:
+        lines += _constrained_lines(results["constrained_mix"])
     return "\n".join(lines)
+
+
+def _constrained_lines(mix: dict[str, Any]) -> list[str]:
+    """bench/generative/constrained.py's table: half the requests under a JSON schema."""
+    lines = ["## Constrained mix (engine in process; odd requests under a JSON schema)", "",
+             "| concurrency | unconstrained tok/s | mixed tok/s | ratio | mask ms / masked "
+             "step | valid / constrained (cut by length) |", "|---|---|---|---|---|---|"]
+    for cap, run in mix.items():
+        if cap == "schema":
+            continue
+        mixed = run["mixed"]
+        lines.append(f"| {cap} | {run['unconstrained']['tokens_per_s']} | "
+                     f"{mixed['tokens_per_s']} | {run['ratio']} | "
+                     f"{mixed['mask_ms_per_masked_step']} | {mixed['valid']} / "
+                     f"{mixed['constrained']} ({mixed['cut_by_length']}) |")
+    return [*lines, ""]

@@ -31,6 +31,7 @@ from bench.common.machine import describe_machine
 from bench.common.paths import results_dir
 from bench.common.processes import Workers
 from bench.common.stats import median
+from bench.generative.constrained import constrained_mix
 from bench.generative.offline import agreement, run_engine, run_generate_batch, run_hf_static
 from bench.generative.online import RssPeak, closed_loop
 from bench.generative.report import markdown, memory_check
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         "skip the systems' throughput: saturation from one closed-loop redbatch run at the "
         "largest concurrency, then TTFT and memory"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--constrained-mix", action="store_true", help=(
+        "also run the engine unconstrained against half the requests under a JSON schema, "
+        "at each concurrency (bench/generative/constrained.py)"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser
 
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": describe_device(device), "dtype": precision.describe()}
     with tempfile.TemporaryDirectory(prefix="redbatch-gen-bench-") as log_dir:
         results.update(measure(args, model, requests, Path(log_dir)))
+    if args.constrained_mix:
+        results["constrained_mix"] = constrained_mix(model, requests, args.concurrency)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{datetime.date.today().isoformat()}-generative-{args.model}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))

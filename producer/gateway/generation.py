@@ -35,6 +35,7 @@ from producer.gateway.generation_shapes import (
     chunk,
     completion_response,
     openai_finish_reason,
+    tool_call_chunk,
     usage_chunk,
 )
 from producer.gateway.logprob_shapes import shaped, text_length
@@ -198,7 +199,8 @@ class StreamReply:
                 for _, envelope in entries:
                     if envelope["type"] != "done":
                         sent += 1
-                        yield sse(self._delta(envelope))
+                        if not self.request.tool_call:  # a call comes whole, at the end
+                            yield sse(self._delta(envelope))
                         continue
                     finished = True  # deleted before the client can see the end
                     await self.generations.redis.delete(self.key)
@@ -229,7 +231,15 @@ class StreamReply:
         if not envelope.get("ok"):
             return [sse(worker_error(envelope, self.param).body())]
         result = envelope.get("result") or {}
-        events = [sse(self._chunk(None, openai_finish_reason(result.get("finish_reason"))))]
+        reason = openai_finish_reason(result.get("finish_reason"))
+        events = []
+        if self.request.tool_call:  # the call, or (cut by max_tokens) the text as it is
+            text = str(result.get("text", ""))
+            call = tool_call_chunk(self.request, self.request_id, self.created, text) \
+                if reason == "stop" else None
+            events.append(sse(call[0] if call else self._chunk(text)))
+            reason = call[1] if call else reason
+        events.append(sse(self._chunk(None, reason)))
         if self.request.include_usage:
             events.append(sse(usage_chunk(self.request, self.request_id, self.created,
                                           result)))

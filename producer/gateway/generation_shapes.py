@@ -17,10 +17,13 @@ from producer.gateway.choice_fields import parse_n, parse_prompts
 from producer.gateway.errors import invalid, refuse_unsupported
 from producer.gateway.logprob_shapes import CHAT_LOGPROB_FIELDS, logprob_fields, shaped
 from producer.gateway.penalty_fields import PENALTY_FIELDS, penalty_fields
+from producer.gateway.structured_fields import STRUCTURED_FIELDS, structured_fields
+from producer.gateway.tool_calls import TOOL_FIELDS, tool_call, tool_fields
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                 "stream_options", "n", "user", *PENALTY_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", *CHAT_LOGPROB_FIELDS}
+                 "stream_options", "n", "user", *PENALTY_FIELDS, *STRUCTURED_FIELDS}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", *CHAT_LOGPROB_FIELDS,
+                               *TOOL_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 MESSAGE_FIELDS = {"role", "content", "name"}
 ROLES = {"system": "system", "developer": "system", "user": "user",
@@ -44,6 +47,7 @@ class GenerationRequest:
     include_usage: bool = False
     n: int = 1  # choices per prompt (choice_fields.py)
     prompts: tuple[str, ...] = ()  # completions: every prompt (the payload holds the first)
+    tool_call: bool = False  # the answer is a tool call (tool_calls.py)
 
     @property
     def choices(self) -> int:
@@ -57,7 +61,9 @@ def parse_chat_request(body: Any) -> GenerationRequest:
                       "max_completion_tokens")
     if "max_completion_tokens" in fields:
         fields["max_tokens"] = fields.pop("max_completion_tokens")
-    return _request(CHAT, fields, {"messages": parse_messages(fields.get("messages"))})
+    messages = parse_messages(fields.get("messages"))
+    tools = tool_fields(fields, messages)
+    return _request(CHAT, fields, {"messages": messages, **tools}, bool(tools))
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -75,7 +81,8 @@ def _fields(body: Any, known: set[str]) -> dict[str, Any]:
     return {key: value for key, value in body.items() if value is not None and key in known}
 
 
-def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any]) -> GenerationRequest:
+def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any],
+             tool: bool = False) -> GenerationRequest:
     model = fields.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
@@ -87,8 +94,11 @@ def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any]) -> Gene
         raise invalid("'stream' must be a boolean", "stream")
     payload.update(sampling_fields(fields))
     payload.update(logprob_fields(kind == CHAT, fields))
+    if not tool:
+        payload.update(structured_fields(fields))
     payload["stream"] = stream
-    return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream), n)
+    return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream), n,
+                             tool_call=tool)
 
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +227,11 @@ def completion_response(request: GenerationRequest, request_id: str, created: in
     text, reason = str(result.get("text", "")), openai_finish_reason(result.get("finish_reason"))
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason,
                               "logprobs": shaped(request.kind == CHAT, result.get("logprobs"))}
-    if request.kind == CHAT:
+    call = tool_call(text) if request.tool_call and reason == "stop" else None
+    if call is not None:
+        choice["finish_reason"] = "tool_calls"
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+    elif request.kind == CHAT:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -250,3 +264,15 @@ def usage_chunk(request: GenerationRequest, request_id: str, created: int,
     """The last chunk with stream_options.include_usage: no choices, the usage."""
     return {**_head(request, request_id, created, True), "choices": [],
             "usage": usage(result)}
+
+
+def tool_call_chunk(request: GenerationRequest, request_id: str, created: int,
+                    text: str) -> tuple[dict[str, Any], str] | None:
+    """A streamed tool call: the chunk that carries it whole, and its finish_reason (None
+    when the text is not a whole call)."""
+    call = tool_call(text)
+    if call is None:
+        return None
+    body = chunk(request, request_id, created, None)
+    body["choices"][0]["delta"]["tool_calls"] = [{"index": 0, **call}]
+    return body, "tool_calls"

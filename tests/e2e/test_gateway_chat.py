@@ -97,7 +97,7 @@ def test_n_past_max_choices_is_400(served: str) -> None:
 
 
 @pytest.mark.parametrize("route, body, param", [
-    ("chat/completions", {"model": MODEL, "messages": MESSAGES, "tools": []}, "tools"),
+    ("chat/completions", {"model": MODEL, "messages": MESSAGES, "functions": []}, "functions"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
     ("chat/completions", {"model": MODEL, "messages": MESSAGES, "stop": ["a"] * 5}, "stop"),
     ("chat/completions", {"model": MODEL, "messages": MESSAGES, "temperature": 9},

@@ -48,8 +48,10 @@ def build_tiny_lm(path: Path, seed: int = 0, initializer_range: float = 0.8,
     return path
 
 
-def engine_text(lm: Any, tokenizer: Any, prompt: str, params: SamplingParams) -> str:
-    """What the worker's engine generates for one request, uninterrupted, in process."""
+def engine_text(lm: Any, tokenizer: Any, prompt: str, params: SamplingParams,
+                matcher: Any = None) -> str:
+    """What the worker's engine generates for one request, uninterrupted, in process
+    (`matcher`: its grammar's, for a constrained one)."""
     import torch
 
     from worker.execution.generation import GenerationEngine
@@ -58,7 +60,7 @@ def engine_text(lm: Any, tokenizer: Any, prompt: str, params: SamplingParams) ->
     engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), {tokenizer.eos_token_id})
     scheduler = DecodingScheduler(SchedulerLimits())
     ids = list(tokenizer(prompt).input_ids)
-    engine.add("x", ids, params)
+    engine.add("x", ids, params, matcher=matcher)
     scheduler.add(SeqState("x", len(ids), params.max_new_tokens))
     while len(scheduler):
         plan = scheduler.schedule()

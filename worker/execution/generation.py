@@ -13,18 +13,14 @@ layouts (execution/step_layouts.py) shaped for the device:
   captured CUDA graph (execution/step_graphs.py) replays as one launch.
 
 The model's attention is the engine's own (execution/paged_attention.py, through
-transformers' AttentionInterface), set for the forward (`stepping`), with `use_cache=False`.
-
-A step's inputs for all its forwards (token ids, positions, KV slots, the sampler's
-per-row inputs) are staged on the host and go to the device in one copy through
-preallocated buffers (execution/staging.py, step_buffers.py); the tokens of all its forwards
-are chosen on the device (execution/sampling.py) and come back in one copy, with their
-logprobs where asked (execution/logprobs.py). `step` is `launch` then `finish`; between the
-two the caller may launch the next step, whose decoding rows then read their input tokens on
-the device (steps overlapped, on a GPU).
-
-Preempted and finished sequences give their blocks back; a preempted one's next prefill
-recomputes its cache from its tokens. Torch only: no Redis, no threads.
+transformers' AttentionInterface), its layout set for the forward (`stepping`). A step's
+inputs go to the device in one copy (execution/staging.py, step_buffers.py); its tokens are
+chosen there (execution/sampling.py, after the grammar masks of execution/grammar_mask.py
+and the penalties) and come back in one copy, with their logprobs where asked
+(execution/logprobs.py). `step` is `launch` then `finish`; between the two the caller may
+launch the next step, whose decoding rows then read their input tokens on the device (steps
+overlapped, on a GPU). Preempted and finished sequences give their blocks back; a preempted
+one's next prefill recomputes its cache. Torch only: no Redis, no threads.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ import torch
 from worker.execution import forks, logprobs
 from worker.execution.detokenize import Delta, TextState, decoder_of
 from worker.execution.executor import is_out_of_memory
+from worker.execution.grammar_mask import GrammarMasks
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import Layout, stepping, use_paged_attention
 from worker.execution.sampling import choose_tokens
@@ -51,7 +48,7 @@ from worker.execution.staging import (
 )
 from worker.execution.step_buffers import StepBuffers
 from worker.execution.step_graphs import StepGraphs
-from worker.execution.step_results import Launched, StepOutput, Unrun
+from worker.execution.step_results import Launched, StepOutput, Unrun, emitting_rows
 from worker.models.generation_params import SamplingParams
 from worker.models.generative import CausalLM, context_of, kv_shape
 from worker.policy.decoding import StepPlan, Work
@@ -86,15 +83,16 @@ class GenerationEngine:
         self.prefills: ShapeClasses = prefill_classes(max_step_tokens, kv_tokens)
         self.graphs: StepGraphs | None = None  # capture_graphs() fills it, on CUDA
         self.flight: TokensInFlight | None = None  # the last launch's, until it finishes
+        self.masks = GrammarMasks(lm.config.vocab_size, device, max_seqs)  # grammar_mask.py
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-            entropy: int = 0, fork_of: str | None = None) -> None:
-        """`entropy`: seeds the draws of an unseeded sampling request; `fork_of`: a sequence
-        of the same prompt whose blocks it may share (forks.py)."""
+            entropy: int = 0, fork_of: str | None = None, matcher: Any = None) -> None:
+        """`entropy`: seeds an unseeded draw; `fork_of`: a sequence of the same prompt whose
+        blocks it may share (forks.py); `matcher`: its grammar's (grammar_mask.py)."""
         seed = params.seed if params.seed is not None else entropy
         self.seqs[seq_id] = EngineSeq(seq_id, list(prompt_ids), TextState(params, self.eos_ids),
-                                      seed, fork_of=fork_of)
+                                      seed, fork_of=fork_of, matcher=matcher)
 
     def knows(self, tokens: Sequence[int]) -> bool:
         """Whether every token is in the model's vocabulary (a resumed stream's tokens are
@@ -103,7 +101,9 @@ class GenerationEngine:
 
     def resume(self, seq_id: str, tokens: Sequence[int], sent_text: str) -> str | None:
         """Continue a sequence after the tokens a previous worker streamed (its next prefill
-        covers the prompt and them); returns the finish reason if they had ended it."""
+        covers the prompt and them, its matcher is rebuilt from them); returns the finish
+        reason if they had ended it."""
+        self.masks.replay(self.seqs[seq_id], tokens)
         return self.seqs[seq_id].text.resume(tokens, sent_text, self.decode)
 
     def drop(self, seq_id: str) -> EngineSeq | None:
@@ -175,14 +175,7 @@ class GenerationEngine:
             self.flight = None
             return Launched([], None, None, None, early)
         tokens = logprobs.sent_back(chosen)  # the tokens first, then the logprobs' tails
-        rows: dict[str, int] = {}
-        at = 0
-        for forward, _ in chosen:  # a token per real row, whether it emits or not
-            for seq, work in zip(forward.seqs, forward.works, strict=True):
-                if work.emits:
-                    rows[seq.id] = at
-                at += 1
-        self.flight = TokensInFlight(tokens, rows)
+        self.flight = TokensInFlight(tokens, emitting_rows([f for f, _ in chosen]))
         host, copied = self.buffers.download(tokens)
         return Launched([f for f, _ in chosen], host, copied, self.flight, early)
 
@@ -222,10 +215,14 @@ class GenerationEngine:
 
     def _run(self, forward: Forward) -> torch.Tensor | None:
         """The forward, then each of its rows' token chosen on the device (None when no
-        row emits one), and their logprobs (logprobs.py) from the logits before penalties."""
-        raw = logits = self._forward(forward)
+        row emits one), and their logprobs (logprobs.py) after any grammar's mask and before
+        the penalties."""
+        logits = self._forward(forward)
         if forward.draws is None:
             return None
+        if masked := self.masks.fill(forward.seqs, forward.works):  # while the device computes
+            logits = self.masks.apply(logits, masked)
+        raw = logits
         packed = forward.device[1] if len(forward.device) > 1 else None
         if forward.penalties is not None:
             layout = forward.layout
@@ -272,7 +269,8 @@ class GenerationEngine:
         return self.graphs
 
     def _append(self, seq: EngineSeq, token: int,
-                record: logprobs.Record | None = None) -> Delta:
+                 record: logprobs.Record | None = None) -> Delta:
+        self.masks.advance(seq, token)
         delta = seq.text.append(seq.id, token, self.decode)
         logprobs.attach(seq.logprobs, delta, record, self.eos_ids)
         if delta.finish_reason:

@@ -140,7 +140,9 @@ def uniforms(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     row's key and the token id, so a token's number is the same wherever it sits."""
     low, high = keys & _M32, (keys >> 32) & _M32
     mixed = _mix32(_mix32(ids ^ high[:, None]) ^ low[:, None])
-    return ((mixed >> 8).float() + 0.5) * 2.0 ** -24
+    # (2^24 - 0.5) / 2^24 rounds to 1.0 in float32, whose Gumbel noise is +inf: that token
+    # would win whatever its logit (-inf: a masked one, NaN), so the top value is kept below 1
+    return (((mixed >> 8).float() + 0.5) * 2.0 ** -24).clamp_max(1.0 - 2.0 ** -24)
 
 
 def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

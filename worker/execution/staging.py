@@ -41,6 +41,7 @@ class EngineSeq:
     ended: bool = False  # its last token is in: a step launched before that is ignored
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # its tokens' (logprobs.py)
     fork_of: str | None = None  # a sequence whose prompt blocks it may share (forks.py)
+    matcher: Any = None  # its llguidance matcher (execution/grammar_mask.py), if constrained
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Its tokens [start, end) that are on the host (not one still in flight)."""

@@ -52,3 +52,16 @@ class Launched:
     flight: TokensInFlight | None
     early: list[Delta]  # prefilled rows' deltas, appended mid-step (`on_prefilled`)
     unrun: Unrun | None = None  # the device ran out of memory: what did not run
+
+
+def emitting_rows(forwards: list[Forward]) -> dict[str, int]:
+    """Each emitting sequence's row in the step's tokens: a token per real row of each
+    forward, in order, whether it emits or not."""
+    rows: dict[str, int] = {}
+    at = 0
+    for forward in forwards:
+        for seq, work in zip(forward.seqs, forward.works, strict=True):
+            if work.emits:
+                rows[seq.id] = at
+            at += 1
+    return rows

@@ -6,8 +6,8 @@ InvalidInput (answered `invalid_request`), never a failure of the worker.
     top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings of
     <= 1,000 characters), stream (bool, default true), presence_penalty,
     frequency_penalty, repetition_penalty, logit_bias, min_tokens (models/penalty_params.py);
-    logprobs (int 0..20, models/logprob_params.py);
-    a key set to null counts as left out
+    logprobs (int 0..20, models/logprob_params.py); response_format, structured_outputs
+    (models/structured_params.py); a key set to null counts as left out
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.models.base import InvalidInput
 from worker.models.logprob_params import logprob_fields
 from worker.models.penalty_params import penalty_fields
+from worker.models.structured_params import Constraint, constraint_of
 
 SHAPE = "payload must be an object with 'prompt' (a string) or 'messages' (a list of " \
         "{\"role\": <string>, \"content\": <string>})"
@@ -43,6 +44,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None  # alternatives per token, with its logprob (None: off)
+    constraint: Constraint | None = None  # a grammar its tokens must match (llguidance)
 
     @property
     def penalised(self) -> bool:
@@ -158,4 +160,4 @@ def sampling_params(payload: dict[str, Any], prompt_len: int, context: int,
     max_new = min(max_new, context - prompt_len)
     return SamplingParams(max_new, temperature, top_p, min(top_k, TOP_K_CAP), seed,
                           _stops(payload), **penalty_fields(payload, max_new, vocab),
-                          **logprob_fields(payload))
+                          **logprob_fields(payload), constraint=constraint_of(payload))

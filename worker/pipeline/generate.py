@@ -1,25 +1,18 @@
 """The generate loop: continuous batching of a generative model, on one thread.
 
-It replaces the compute loops when the model is generative (`Model.generative`). Between two
-steps it takes every request the intake queued (the batcher is its inbox: one FIFO bucket,
-deadlines checked) into the scheduler (policy/decoding.py), runs a step on the engine
-(execution/generation.py), and writes the step's text chunks with its cancel check in one
-round trip (streams/token_streams.py), on the chunk writer's thread while the next step runs
-(pipeline/chunk_writer.py); a prefilled request's first chunk is queued as soon as its own
-forward is done. Finished requests become answers for the reply thread, which writes the
-`done` entry (or the list reply) with the XACK, ownership-checked, queued behind their chunks
-(which, with the answers, pipeline/live_requests.py makes).
+Between two steps it takes every request the intake queued (the batcher is its inbox) into
+the scheduler (policy/decoding.py), runs a step on the engine (execution/generation.py), and
+writes the step's chunks with its cancel check in one round trip, on the chunk writer's
+thread while the next step runs (pipeline/chunk_writer.py). Finished requests become answers
+for the reply thread (the `done` entry or list reply with the XACK, behind their chunks).
+A request with a grammar waits for its compile in the gate (pipeline/grammars.py) while the
+others step. On a GPU (`overlap`) step n + 1 is launched before step n's tokens are read
+(a sequence that ended in step n rides along in step n + 1, its token dropped), except while
+a sequence has a grammar: its mask needs its last token on the host.
 
-On a GPU (`overlap`) the steps overlap: step n + 1 is launched on the device before step n's
-tokens are read, and step n's host work (tokens, text, chunks, answers, the next schedule)
-runs while the device computes; a sequence that ended in step n rides along in step n + 1,
-whose token for it is dropped (docs/protocol.md: a cancel takes effect within two steps).
-
-Durability: a redelivered request (claimed from a dead consumer, or our own after a restart)
-continues from what its reply stream holds (up to its max_new_tokens): the prompt and the
-tokens already streamed are prefilled and it goes on at the next chunk index; a stream with its
-`done` entry is only acked. Every `keepalive_s` the loop claims its live entries to itself,
-so none looks idle to another worker's reclaimer while it runs; one no longer ours is dropped.
+Durability: a redelivered request continues from what its reply stream holds (the prompt
+and the tokens streamed are prefilled; a stream with its `done` entry is only acked). Every
+`keepalive_s` the loop claims its live entries to itself; one no longer ours is dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +26,7 @@ import structlog
 from producer.protocol import ErrorCode
 from worker.execution.detokenize import Delta
 from worker.execution.generation import GenerationEngine
+from worker.execution.grammar_mask import constrained
 from worker.execution.step_results import Launched, Unrun
 from worker.models.generation_params import GenerationInput
 from worker.observe import metrics
@@ -40,8 +34,9 @@ from worker.pipeline import ports
 from worker.pipeline.answers import Answer, AnswerQueue
 from worker.pipeline.chunk_writer import ChunkWriter
 from worker.pipeline.generative_envelopes import final_answer
+from worker.pipeline.grammars import HELD, GrammarCompiler, GrammarGate, GrammarRefused
 from worker.pipeline.inflight import InFlight
-from worker.pipeline.live_requests import LiveRequests
+from worker.pipeline.live_requests import Live, LiveRequests
 from worker.pipeline.retry import Grace, RedisRetry
 from worker.policy.batching import Batcher, Pending
 from worker.policy.decoding import DecodingScheduler, SeqState, StepPlan
@@ -79,9 +74,10 @@ class GenerateLoop:
         self.streams, self.retry = streams, retry
         self.writer = ChunkWriter(streams, retry, answers)
         self.live = LiveRequests(config.model_name, config.consumer, config.namespace)
+        self.gate = GrammarGate(GrammarCompiler(engine.tokenizer, engine.masks.vocab,
+                                                engine.eos_ids), inflight.wake_all)
         self.steps = 0
-        # on a GPU a step's host work runs while the device computes the next step; a CPU
-        # computes in this thread, so there a prefilled request's first token would only wait
+        # on a GPU a step's host work runs while the device computes the next (not a CPU's)
         self.overlap = engine.device.type == "cuda" if config.overlap_steps is None \
             else config.overlap_steps
         self.in_flight: Stepping | None = None
@@ -89,16 +85,15 @@ class GenerateLoop:
         self._next_keepalive = time.monotonic() + config.keepalive_s
 
     def run(self) -> None:
-        """Step while anything runs or waits; block for work when idle; return once
-        reading has stopped and nothing is left, or the shutdown grace has passed."""
+        """Step while anything runs or waits; block for work when idle; return once reading
+        has stopped and nothing is left, or the shutdown grace has passed."""
         try:
             while self.take(block=not len(self.scheduler) and self.in_flight is None):
                 self.keep_alive()
                 self.step()
         finally:
             self.writer.close()
-
-    # --- intake side --------------------------------------------------------------------------
+            self.gate.compiler.close()
 
     def take(self, block: bool) -> bool:
         """Move what the intake queued into the scheduler; False when the loop should end."""
@@ -106,7 +101,7 @@ class GenerateLoop:
             self.writer.wait()
         with self.inflight.lock:
             members, expired = self._drain()
-            while block and not members and not expired:
+            while block and not members and not expired and not self.gate.due():
                 if not self.inflight.reading or self.grace.left() <= 0:
                     return False
                 self.inflight.idle += 1
@@ -137,13 +132,14 @@ class GenerateLoop:
         return members, expired
 
     def _admit_all(self, members: list[Pending]) -> list[Answer]:
-        """Admit each; redelivered streamed ones first read their reply streams (one round
-        trip for all) to resume where they were."""
+        """Admit each (redelivered ones read their reply streams first, in one round trip)
+        and those whose grammar is in."""
         again = [p for p in members if p.item.data.redelivered and p.item.data.stream]
         found = self.retry(self.streams.progress, [self.live.key(p) for p in again],
                            [p.item.data.params.max_new_tokens for p in again]) if again else []
         progress = {p.entry_id: f for p, f in zip(again, found, strict=True)}
         answers = [self._admit(p, progress.get(p.entry_id)) for p in members]
+        answers += [self._admit(p, f) for p, f in self.gate.ready()]  # their grammar is in
         return [a for a in answers if a is not None]
 
     def _admit(self, pending: Pending, progress: Progress | None = None) -> Answer | None:
@@ -165,26 +161,30 @@ class GenerateLoop:
                                f"the KV cache budget of {self.scheduler.limits.kv_tokens} "
                                "tokens (kv_cache_bytes)")
         fork = self.live.entry_of(data.fork_of) if progress is None else None  # forks.py
+        try:  # held in the gate until its grammar is compiled
+            if (matcher := self.gate.take(pending, progress)) is HELD:
+                return None
+        except GrammarRefused as exc:
+            return self.live.error(pending, ErrorCode.INVALID_REQUEST, str(exc), field=exc.field)
         self.engine.add(pending.entry_id, data.prompt_ids, data.params,
-                        entropy=random.getrandbits(63), fork_of=fork)
+                        entropy=random.getrandbits(63), fork_of=fork, matcher=matcher)
         live = self.live.add(pending, data)
-        generated = 0
-        if progress is not None and progress.chunks:
-            live.chunks = live.resumed_at = progress.chunks
-            generated = len(progress.token_ids)
-            log.info("generate.resumed", entry_id=pending.entry_id, chunks=progress.chunks,
-                     tokens=generated)
-            reason = self.engine.resume(pending.entry_id, progress.token_ids, progress.text)
-            if reason is not None:  # its last chunk was out, its done entry was not
-                return self._finish(pending.entry_id, reason)
-        self.scheduler.add(SeqState(pending.entry_id, prompt_len, max_new,
-                                    priority=pending.request.priority, generated=generated,
-                                    after=fork))
+        generated = len(progress.token_ids) if progress is not None and progress.chunks else 0
+        if progress is not None and progress.chunks and (reason := self._resume(live, progress)):
+            return self._finish(pending.entry_id, reason)  # its done entry was not out
+        self.scheduler.add(SeqState(pending.entry_id, prompt_len, max_new, generated=generated,
+                                    priority=pending.request.priority, after=fork))
         return None
 
+    def _resume(self, live: Live, progress: Progress) -> str | None:
+        """A redelivered request goes on after what its reply stream holds."""
+        live.chunks = live.resumed_at = progress.chunks
+        log.info("generate.resumed", entry_id=live.pending.entry_id, chunks=progress.chunks,
+                 tokens=len(progress.token_ids))
+        return self.engine.resume(live.pending.entry_id, progress.token_ids, progress.text)
+
     def keep_alive(self) -> None:
-        """When due, claim our live entries to ourselves (one call); stop those that are
-        no longer ours (claimed by another worker while we were frozen, or acked)."""
+        """When due, claim our live entries (one call); stop those no longer ours."""
         now = time.monotonic()
         if now < self._next_keepalive or not self.live:
             return
@@ -196,16 +196,17 @@ class GenerateLoop:
             self.inflight.release([entry_id])
             log.warning("generate.lost", entry_id=entry_id)
 
-    # --- one step -----------------------------------------------------------------------------
-
     def step(self) -> None:
-        """Launch the next step if anything runs or waits, then complete the one launched
-        before it (`overlap`), or this one at once."""
-        previous = self.in_flight
+        """Launch the next step, then complete the one before it (`overlap`, not while a
+        sequence has a grammar) or this one at once."""
+        previous, sync = self.in_flight, constrained(self.engine.seqs.values())
+        if previous is not None and sync:  # a grammar's mask needs the previous tokens in
+            self._complete(previous)
+            previous = None
         self.in_flight = self._launch() if len(self.scheduler) else None
         if previous is not None:
             self._complete(previous)
-        if not self.overlap and self.in_flight is not None:
+        if (not self.overlap or sync) and self.in_flight is not None:
             launched, self.in_flight = self.in_flight, None
             self._complete(launched)
 
@@ -229,8 +230,7 @@ class GenerateLoop:
         return Stepping(plan, launched, started)
 
     def _out_of_memory(self, unrun: Unrun) -> None:
-        """Part of a step did not run for want of device memory: its sequences are
-        recomputed in smaller steps; those of a forward as small as it gets are answered."""
+        """Part of a step ran out of device memory: recomputed in smaller steps, or answered."""
         metrics.OOM_EVENTS.labels(self.config.model_name, "step").inc()
         caps = self.scheduler.caps
         cut = caps.on_out_of_memory(unrun.tokens, len(unrun.ran_out), unrun.decoding)
@@ -243,8 +243,7 @@ class GenerateLoop:
                                          for w in unrun.ran_out])
 
     def _complete(self, stepping: Stepping) -> None:
-        """The step's tokens in: its chunks and its answers written (one round trip, on the
-        writer's thread), the previous write's cancel flags applied."""
+        """The step's tokens in: its chunks and answers written, cancel flags applied."""
         try:
             output = self.engine.finish(stepping.launched)
         except Exception as exc:
@@ -263,19 +262,21 @@ class GenerateLoop:
         answers = [self._finish(i, reasons.get(i) or "cancelled") for i in gone]
         answers += [self._stop(i, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while "
                                "generating") for i in self.live.past_deadline()]
+        answers += [self._stop(i, ErrorCode.INVALID_REQUEST, f"its grammar failed: {error}")
+                    for i, error in self.engine.masks.failures().items() if i in self.live.live]
         self.writer.write(chunks, self.live.cancel_keys(), answers)
         plan, now = stepping.plan, time.perf_counter()
         # overlapped, a step is timed from the previous one's completion, not its own launch
         seconds = now - max(stepping.started, self._completed_at)
         self._completed_at = now
-        metrics.record_step(self.config.model_name, seconds,
-                            len(output.deltas), len(plan.preempted),
-                            len(self.scheduler.running), len(self.scheduler.waiting))
+        metrics.record_step(self.config.model_name, seconds, len(output.deltas),
+                            len(plan.preempted), len(self.scheduler.running),
+                            len(self.scheduler.waiting))
         log.debug("generate.step", decode=len(plan.decode), prefill=len(plan.prefill),
                   tokens=plan.tokens, preempted=len(plan.preempted), finished=len(gone))
 
     def _write_first(self, delta: Delta) -> None:
-        """A prefilled sequence's token, queued as soon as it is sampled (mid-step)."""
+        """A prefilled sequence's token, queued as soon as it is sampled."""
         if chunks := self.live.chunks([delta]):
             self.writer.write(chunks)
 
@@ -292,8 +293,7 @@ class GenerateLoop:
         return self.live.stopped(entry_id, code, message)
 
     def _fail_all(self, exc: Exception) -> None:
-        """The model raised in a step: every live request is answered `model_error`
-        (the step may have left their caches half-updated)."""
+        """The model raised in a step: every live request is answered `model_error`."""
         self.in_flight = None  # its tokens, if any, belong to requests answered here
         message = f"{type(exc).__name__}: {exc}"
         self.writer.write([], None, [self._stop(i, ErrorCode.MODEL_ERROR, message)

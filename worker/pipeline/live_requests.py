@@ -135,10 +135,13 @@ class LiveRequests:
         metrics.GENERATIONS_FINISHED.labels(self.model_name, code.value).inc()
         return answer
 
-    def error(self, pending: Pending, code: ErrorCode, message: str, after: int = 0) -> Answer:
+    def error(self, pending: Pending, code: ErrorCode, message: str, after: int = 0,
+              **details: str) -> Answer:
         """An error answer of a request (live or not): on its reply stream after its first
-        `after` entries (its only entry by default) unless it asked for `"stream": false`."""
-        answer = routed_error(error_answer(pending.entry_id, pending.request, code, message),
+        `after` entries (its only entry by default) unless it asked for `"stream": false`;
+        `details` (a `field`) go into its envelope."""
+        answer = routed_error(error_answer(pending.entry_id, pending.request, code, message,
+                                           **details),
                               pending.request, self.namespace, pending.item.data.stream)
         if answer.stream_index:
             answer.stream_index += after
