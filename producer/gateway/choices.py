@@ -28,6 +28,7 @@ from producer import protocol
 from producer.errors import Overloaded
 from producer.gateway import errors, jsonio
 from producer.gateway.choice_fields import check_choices, choice_payloads
+from producer.gateway.errors import invalid
 from producer.gateway.generation import (
     CLIENT_CLOSED,
     Generations,
@@ -66,6 +67,8 @@ async def route(request: Request, parsed: GenerationRequest) -> Response:
         return await generate(request, parsed)
     gateway = request.app.state.gateway
     check_choices(max(1, len(parsed.prompts)), parsed.n, gateway.settings.max_choices)
+    if parsed.stream and parsed.tool_call:  # a streamed call comes whole: one choice only
+        raise invalid("a streamed tool call takes n = 1", "n", "unsupported_parameter")
     generations: Generations = gateway.generations
     ids = await submit_all(generations, parsed)
     if parsed.stream:
