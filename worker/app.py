@@ -28,7 +28,7 @@ from worker.execution.calibration import (
     warm_up,
 )
 from worker.execution.cores import available_cores
-from worker.execution.executor import Executor, device_precision, dtype_name, resolve_device
+from worker.execution.executor import Executor, device_precision, resolve_device
 from worker.execution.generation import engine_for
 from worker.execution.guarded_runner import BatchRunner
 from worker.execution.memory import MemoryProbe, memory_probe
@@ -49,7 +49,7 @@ from worker.policy.governor import (
 )
 from worker.policy.latency import LatencyPolicy
 from worker.policy.layout import Layout, choose_layout
-from worker.policy.precision import UnsupportedDtype
+from worker.policy.precision import INT8, Precision, UnsupportedDtype
 from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
 from worker.streams import sharding
@@ -113,7 +113,7 @@ def load_model(settings: Settings) -> tuple[Model, torch.device]:
         raise StartupError(str(exc), ("dtype",)) from None
     except ValueError as exc:
         raise StartupError(str(exc), ("device",)) from None
-    model.dtype, model.dtype_reason = getattr(torch, precision.dtype), precision.reason
+    set_precision(model, precision)
     model.cache_dir = settings.cache_dir or default_cache_dir()
     torch.set_num_threads(resolve_layout(settings, model, device).threads)
     started = time.perf_counter()
@@ -253,7 +253,7 @@ def describe_worker(settings: Settings, layout: Layout, model: Model, device: to
     """What `stats` shows of this worker: its layout and why, its device, and with a
     latency target the observed percentile and the margin (read under the worker's lock)."""
     static = {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
-              "dtype": dtype_name(model.dtype), "dtype_why": model.dtype_reason,
+              "dtype": model.precision_name, "dtype_why": model.dtype_reason,
               "model": settings.model,
               "kind": model.announced_kind().value, "started_ms": int(time.time() * 1000)}
     policy = targeted.policy
@@ -270,6 +270,18 @@ def describe_worker(settings: Settings, layout: Layout, model: Model, device: to
     return describe
 
 
+def set_precision(model: Model, precision: Precision) -> None:
+    """The resolved dtype onto the model before load(); int8 only where the model has it."""
+    if precision.dtype == INT8:
+        if not model.int8_capable:
+            raise StartupError("dtype int8 is for the encoder kinds (minilm, encoder, "
+                               "reranker); this model has no int8 path", ("dtype",))
+        model.dtype, model.quantization = torch.float32, INT8
+    else:
+        model.dtype = getattr(torch, precision.dtype)
+    model.dtype_reason = precision.reason
+
+
 def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence[int],
                    calibrated: Mapping[int, int]) -> Governor:
     """One cap per bucket; a calibrated bucket starts at its calibrated batch size."""
@@ -282,7 +294,7 @@ def build_worker(settings: Settings, client: redis.Redis) -> Worker:
     model, device = load_model(settings)
     try:  # the best batch size per bucket, when calibrated on this device in this dtype
         calibrated = calibrated_sizes(calibration_path(
-            settings.calibration_dir, settings.model_name, device, dtype_name(model.dtype)))
+            settings.calibration_dir, settings.model_name, device, model.precision_name))
     except CalibrationError as exc:
         raise StartupError(str(exc)) from None
     worker = assemble_worker(settings, model, Executor(model, device), client, calibrated)

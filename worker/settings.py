@@ -60,10 +60,10 @@ class Settings(BaseSettings):
                             "(minilm; pkg.mod:MyModel: mymodel)")
     model_options: dict[str, Any] = Field(default_factory=dict, description="model options (JSON)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description=(
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = Field("auto", description=(
         "the dtype the model computes in; auto: bfloat16 on CUDA >= 8.0, float16 on older "
-        "CUDA; on a CPU bfloat16 with AMX or AVX-512 BF16 (generative models: float32), "
-        "else float32. float32 on CUDA >= 8.0 allows TF32 matmuls"))
+        "CUDA; on a CPU bfloat16 with AMX or AVX-512 BF16 (generative models: float32), else "
+        "float32. float32 on CUDA >= 8.0 allows TF32 matmuls. int8: CPU encoder kinds only"))
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at warm-up for fixed "
                               "shapes, others run eagerly; ignored with one log line on a CPU")
     torch_threads: int = Field(0, ge=0, description="torch intra-op CPU threads; 0: the "

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
@@ -85,19 +86,34 @@ class Supervisor:
         self.env = env
         self.stopping = threading.Event()
         self.exit_code = 0
+        self.received: deque[int] = deque()  # signals not yet passed on
+
+    def receive(self, signum: int, frame: FrameType | None = None) -> None:
+        """The signal handler: it only records. A handler runs in the main thread between
+        two bytecodes, maybe inside a log write or the stop event's lock, which logging or
+        setting the event here would take again: a deadlock (issue 45)."""
+        self.received.append(signum)
 
     def run(self) -> int:
         """Keep every child running until a signal; then pass it on and wait for them."""
         for child in self.children:
             self._start(child)
         while not self.stopping.wait(POLL_S):
+            self._pass_on()
             for child in self.children:
                 self._tend(child)
-        for child in self.children:
-            if child.process:
-                child.process.wait()
+        for child in self.children:  # a second signal still reaches them meanwhile
+            while child.process and child.process.poll() is None:
+                self._pass_on()
+                time.sleep(POLL_S)
         log.info("supervisor.stopped", exit_code=self.exit_code)
         return self.exit_code
+
+    def _pass_on(self) -> None:
+        while self.received:
+            signum = self.received.popleft()
+            log.info("supervisor.signal", signal=signal.Signals(signum).name)
+            self.signal(signum)
 
     def readiness(self) -> dict[str, bool]:
         """For /readyz: every child is running and no shutdown has begun."""
@@ -168,13 +184,8 @@ def supervise(settings: Settings) -> int:
                 raise StartupError(f"cannot serve metrics on port {settings.metrics_port}: "
                                    f"{exc.strerror or exc}{port_hint(exc)}",
                                    ("metrics_port",)) from None
-
-            def handle(signum: int, frame: FrameType | None) -> None:
-                log.info("supervisor.signal", signal=signal.Signals(signum).name)
-                supervisor.signal(signum)
-
-            signal.signal(signal.SIGTERM, handle)
-            signal.signal(signal.SIGINT, handle)
+            signal.signal(signal.SIGTERM, supervisor.receive)
+            signal.signal(signal.SIGINT, supervisor.receive)
             log.info("supervisor.started", processes=len(commands), metrics_dir=metrics_dir)
             return supervisor.run()
     finally:

@@ -12,7 +12,7 @@ from worker.execution.calibration import (
     calibration_path,
     write_calibration,
 )
-from worker.execution.executor import Executor, dtype_name
+from worker.execution.executor import Executor
 from worker.execution.memory import memory_probe
 from worker.policy.device_defaults import default_boundaries, on_device
 from worker.settings import Settings
@@ -34,9 +34,9 @@ def run_calibration(settings: Settings, repeats: int) -> int:
     except CalibrationError as exc:
         raise StartupError(str(exc)) from None
     path = calibration_path(settings.calibration_dir, settings.model_name, device,
-                            dtype_name(model.dtype))
+                            model.precision_name)
     write_calibration(path, settings.model_name, device, buckets, repeats=repeats,
-                      dtype=dtype_name(model.dtype),
+                      dtype=model.precision_name,
                       max_batch_size=settings.max_batch_size,
                       max_batch_tokens=settings.max_batch_tokens)
     print(f"{'max_length':>10} {'batch_size':>10} {'stopped':>13}  items/s by batch size")

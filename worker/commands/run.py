@@ -1,60 +1,23 @@
 """`python -m worker run`: serve one worker process until a signal.
 
 The worker comes from the composition root (app.build_worker); this module owns what a
-process needs around it: the metrics endpoint, the heap freeze, the sampler and signals.
+process needs around it: the metrics endpoint, the heap freeze, the sampler and signals
+(worker/commands/shutdown.py).
 """
 
 from __future__ import annotations
 
 import errno
 import gc
-import os
-import signal
-import sys
-import threading
-from types import FrameType
-
-import structlog
 
 from worker.app import StartupError, build_worker, connect
 from worker.commands.readiness import Readiness
 from worker.commands.sampler import Sampler
+from worker.commands.shutdown import Shutdown
 from worker.observe import metrics
 from worker.observe.progress import ProgressLog
-from worker.pipeline.worker import Worker
 from worker.settings import Settings
 from worker.streams.target import redis_url
-
-log = structlog.get_logger("redbatch")
-GRACE_MARGIN_S = 2.0  # beyond shutdown_grace_s, for the last blocking read to return
-
-
-def exit_after_grace() -> None:
-    log.warning("worker.grace_expired", hint="unanswered entries stay pending for others")
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def install_signal_handlers(worker: Worker) -> None:
-    """First SIGTERM/SIGINT: stop reading, answer what is held, exit 0. Second: exit now;
-    unanswered entries stay pending in the group for another worker to claim."""
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        if worker.stopping.is_set():
-            log.warning("worker.forced_exit", signal=signum)
-            sys.stderr.flush()
-            os._exit(128 + signum)  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
-        log.info("worker.stopping", signal=signal.Signals(signum).name,
-                 grace_s=worker.settings.shutdown_grace_s)
-        worker.stop()
-        # A batch stuck on the device cannot be interrupted: leave its entries pending.
-        watchdog = threading.Timer(worker.settings.shutdown_grace_s + GRACE_MARGIN_S,
-                                   exit_after_grace)
-        watchdog.daemon = True
-        watchdog.start()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
 
 
 def port_hint(exc: OSError) -> str:
@@ -90,10 +53,11 @@ def serve(settings: Settings) -> int:
         sampler = Sampler(worker, client).start()
         progress = ProgressLog(worker.name, settings.log_interval_s).start()
         readiness.worker, readiness.redis = worker, sampler
-        install_signal_handlers(worker)
+        shutdown = Shutdown(worker.stop, settings.shutdown_grace_s).install()
         try:
             worker.run()
         finally:
             progress.stop()
             sampler.stop()
-    return 1 if worker.failed else 0
+    shutdown.code = 1 if worker.failed else 0  # what the deadline exits with from here on
+    return shutdown.code

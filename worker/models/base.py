@@ -71,9 +71,19 @@ class Model(ABC):
     dtype: torch.dtype = torch.float32
     #: why that dtype (policy/precision.py), for `worker.serving`, `stats` and the hash
     dtype_reason: str = "the model's default"
+    #: `int8` (dynamic int8 linear layers, models/quantize.py; dtype stays float32) where
+    #: the `dtype` setting asks for it, set by the worker before load(); only a model with
+    #: `int8_capable` is given it
+    quantization: str | None = None
+    int8_capable: bool = False
     #: where the model may keep what it derives from its weights between starts (a GGUF
     #: file's dequantised tensors), set by the worker before load(); None: keep nothing
     cache_dir: Path | None = None
+
+    @property
+    def precision_name(self) -> str:
+        """What it computes in, as the settings, logs and calibration files name it."""
+        return self.quantization or str(self.dtype).removeprefix("torch.")
 
     @abstractmethod
     def load(self, device: torch.device) -> None:

@@ -27,6 +27,7 @@ from producer.embeddings import ENCODINGS, FLOAT32, FLOAT_LIST, as_float32_bytes
 from worker.models.ascii_tokenizer import BatchTokenizer
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.encoder_dir import POOLINGS, EncoderDirError, EncoderLayout, read_layout
+from worker.models.quantize import INT8, quantized_int8
 from worker.models.tracing import traced_or_none
 
 FILLER_TEXT = "this"  # any ordinary word piece costs the same to compute
@@ -76,6 +77,7 @@ class EncoderModel(Model):
                                                 80, 96, 128, 160, 192, 256, 384, 512)
     concurrent_forward = True  # shared read-only weights; per-batch state stays local
     graph_capturable = True  # zero-padded ids and mask in, one embedding per row out
+    int8_capable = True  # its linear layers quantize (models/quantize.py)
 
     def __init__(self, path: str | None = None, pooling: str | None = None,
                  normalize: bool | None = None, max_seq_length: int | None = None,
@@ -116,6 +118,8 @@ class EncoderModel(Model):
         self.batch_tokenizer = BatchTokenizer(self.tokenizer)  # ASCII skips the normalizer
         self.device = device
         self.model = AutoModel.from_pretrained(self.path).eval().to(device, self.dtype)
+        if self.quantization == INT8:
+            self.model = quantized_int8(self.model)
         self.encoder: torch.nn.Module = SentenceEncoder(self.model, self.layout.pooling,
                                                         self.layout.normalize)
         if self.trace or (self.trace is None and device.type == "cpu"):

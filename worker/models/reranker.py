@@ -29,6 +29,7 @@ from worker.models.ascii_tokenizer import reachable
 from worker.models.base import InvalidInput, Model, Prepared
 from worker.models.encoder import FILLER_TEXT, TRACE_SHAPES, load_tokenizer
 from worker.models.encoder_dir import EncoderDirError, model_limit, read_json
+from worker.models.quantize import INT8, quantized_int8
 from worker.models.tracing import traced_or_none
 
 BATCH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # CrossEncoderLogits' order
@@ -63,6 +64,7 @@ class RerankerModel(Model):
     kind = Kind.RERANKER
     default_bucket_boundaries: Sequence[int] = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
     concurrent_forward = True  # shared read-only weights; per-batch state stays local
+    int8_capable = True  # its linear layers quantize (models/quantize.py)
 
     def __init__(self, path: str | None = None, max_seq_length: int | None = None,
                  trace: bool | None = None) -> None:
@@ -94,6 +96,8 @@ class RerankerModel(Model):
         self.device = device
         classifier = AutoModelForSequenceClassification.from_pretrained(self.path).eval()
         classifier.to(device, self.dtype)
+        if self.quantization == INT8:
+            classifier = quantized_int8(classifier)
         token_types = getattr(classifier.config, "type_vocab_size", 0) > 1
         self.scorer: torch.nn.Module = CrossEncoderLogits(classifier, token_types)
         if self.trace or (self.trace is None and device.type == "cpu"):

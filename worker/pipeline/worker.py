@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import redis
 import structlog
 
-from worker.execution.executor import dtype_name
 from worker.execution.generation import GenerationEngine
 from worker.execution.guarded_runner import BatchRunner
 from worker.models.base import Model
@@ -153,7 +152,7 @@ class Worker:
         log.info("worker.serving", stream=self.reader.stream, group=self.settings.group,
                  consumer=self.settings.consumer, buckets=self.batcher.boundaries,
                  instances=len(self.runners), threads=self.layout.threads,
-                 dtype=dtype_name(self.model.dtype), dtype_why=self.model.dtype_reason,
+                 dtype=self.model.precision_name, dtype_why=self.model.dtype_reason,
                  layout=self.layout.reason, latency_target_ms=self.settings.latency_target_ms,
                  batch_controller=self.settings.batch_controller, **steps)
         try:

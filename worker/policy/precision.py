@@ -8,8 +8,12 @@ CUDA lets matmuls run in TF32 on the tensor cores (8.0 and up), as PyTorch's own
 has bf16 matrix instructions (AMX tiles or AVX-512 BF16, measured 4.35x faster than float32
 for MiniLM at min cosine 0.9999, issue 45), float32 elsewhere (bf16 is emulated, and slower).
 A generative model keeps float32 on a CPU under `auto` unless its greedy tokens were
-measured in bf16 (GENERATIVE_CPU_BF16). Pure: the device is described by its type,
-capability and CPU bf16 support, so this is tested on any machine.
+measured in bf16 (GENERATIVE_CPU_BF16). `int8`, never chosen by `auto`: dynamic int8 linear
+layers on a CPU for the encoder kinds (models/quantize.py); MiniLM's embeddings in int8 have a
+min cosine of 0.944 against float32 on 200 sentences, under the 0.999 bound bf16 meets,
+and are slower than bf16 (183 against 133 ms at 64 x 48 tokens, 2 threads, AVX-512 BF16).
+Pure: the device is described by its type, capability and CPU bf16 support, so this is
+tested on any machine.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ AUTO = "auto"
 FLOAT32 = "float32"
 FLOAT16 = "float16"
 BFLOAT16 = "bfloat16"
-DTYPES = (AUTO, FLOAT32, FLOAT16, BFLOAT16)
+INT8 = "int8"  # dynamic int8 linear layers, activations and the rest in float32
+DTYPES = (AUTO, FLOAT32, FLOAT16, BFLOAT16, INT8)
 BF16_CAPABILITY = (8, 0)  # Ampere: bfloat16 tensor cores (and TF32)
 FP16_CAPABILITY = (5, 3)  # half-precision arithmetic
 #: SmolLM2-135M, 10 prompts x 16 greedy tokens, bf16 against fp32 on an AMX Xeon: 6 of 10
@@ -37,7 +42,7 @@ class UnsupportedDtype(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Precision:
-    dtype: str  # float32, float16 or bfloat16 (a torch dtype's name)
+    dtype: str  # float32, float16, bfloat16 (a torch dtype's name) or int8 (float32 + int8)
     tf32: bool  # float32 matmuls may run in TF32
     reason: str  # why, for the serving log line
 
@@ -56,6 +61,8 @@ def choose_precision(setting: str, device_type: str,
     cuda = device_type == "cuda"
     if cuda and capability is None:
         raise ValueError("a CUDA device's compute capability is needed")
+    if setting == INT8:
+        return int8(device_type, generative)
     if setting == AUTO:
         if not cuda:
             return cpu_auto(device_type, cpu_bf16, generative)
@@ -89,3 +96,14 @@ def cpu_auto(device_type: str, cpu_bf16: str | None, generative: bool) -> Precis
     if generative and not GENERATIVE_CPU_BF16:
         return Precision(FLOAT32, False, GENERATIVE_CPU_WHY)
     return Precision(BFLOAT16, False, f"auto: bfloat16 on a CPU with {cpu_bf16}")
+
+
+def int8(device_type: str, generative: bool) -> Precision:
+    """`int8`: PyTorch's dynamic int8 linear kernels run on a CPU, for the encoder kinds."""
+    if device_type != "cpu":
+        raise UnsupportedDtype(f"dtype int8 (dynamic int8 linear layers) runs on a CPU; "
+                               f"this device is {device_type}: use auto")
+    if generative:
+        raise UnsupportedDtype("dtype int8 is for the encoder kinds (minilm, encoder, "
+                               "reranker); a generative model takes auto, float32 or bfloat16")
+    return Precision(INT8, False, "as set: dynamic int8 linear layers, the rest float32")

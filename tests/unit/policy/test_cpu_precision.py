@@ -39,3 +39,14 @@ def test_an_explicit_dtype_wins(setting: str, flags: str | None) -> None:
 
 def test_cuda_ignores_the_cpu_flags() -> None:
     assert choose_precision("auto", "cuda", (7, 5), cpu_bf16="AMX tiles").dtype == "float16"
+
+
+@pytest.mark.parametrize("flags", [None, "AMX tiles"])
+def test_int8_is_taken_only_when_asked_on_a_cpu_for_an_encoder_kind(flags: str | None) -> None:
+    chosen = choose_precision("int8", "cpu", cpu_bf16=flags)
+    assert chosen.dtype == "int8" and "dynamic int8" in chosen.reason
+    assert choose_precision("auto", "cpu", cpu_bf16=flags).dtype != "int8"
+    with pytest.raises(precision.UnsupportedDtype, match="runs on a CPU"):
+        choose_precision("int8", "cuda", (9, 0))
+    with pytest.raises(precision.UnsupportedDtype, match="encoder kinds"):
+        choose_precision("int8", "cpu", cpu_bf16=flags, generative=True)
