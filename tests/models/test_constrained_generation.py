@@ -59,18 +59,6 @@ PROMPT = ("<|im_start|>user\nDescribe Ada Lovelace, a mathematician from London,
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Iterator[Any]:
-    from bench.generative.exactness import load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine is shared
-    try:
-        yield load_model()
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def compiler(smollm2: Any) -> Iterator[GrammarCompiler]:
     compiler = GrammarCompiler(smollm2.tokenizer, smollm2.lm.config.vocab_size,
                                smollm2.eos_ids)

