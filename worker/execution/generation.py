@@ -33,7 +33,7 @@ import torch
 from worker.execution import forks, logprobs
 from worker.execution.detokenize import Delta, TextState, decoder_of
 from worker.execution.executor import is_out_of_memory
-from worker.execution.grammar_mask import GrammarMasks
+from worker.execution.grammar_mask import GrammarMasks, mask_vocab
 from worker.execution.kv_pool import BLOCK_TOKENS, KVPool
 from worker.execution.paged_attention import Layout, stepping, use_paged_attention
 from worker.execution.sampling import choose_tokens
@@ -83,7 +83,7 @@ class GenerationEngine:
         self.prefills: ShapeClasses = prefill_classes(max_step_tokens, kv_tokens)
         self.graphs: StepGraphs | None = None  # capture_graphs() fills it, on CUDA
         self.flight: TokensInFlight | None = None  # the last launch's, until it finishes
-        self.masks = GrammarMasks(lm.config.vocab_size, device, max_seqs)  # grammar_mask.py
+        self.masks = GrammarMasks(mask_vocab(lm.config.vocab_size, tokenizer), device, max_seqs)
         use_paged_attention(lm)  # generate() on it still runs transformers' sdpa
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,

@@ -34,6 +34,14 @@ def constrained(seqs: Iterable[Any]) -> bool:
     return any(seq.matcher is not None for seq in seqs)
 
 
+def mask_vocab(vocab: int, tokenizer: Any) -> int:
+    """Bits per mask row: the logits' width, or the tokenizer's count where it knows more
+    tokens (llguidance wants a bit for each; those past the logits are never drawn)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    known = backend.get_vocab_size(with_added_tokens=True) if backend else len(tokenizer)
+    return max(vocab, known)
+
+
 def words_of(vocab: int) -> int:
     """int32 words per mask row: one bit per token of the vocabulary."""
     return (vocab + WORD_BITS - 1) // WORD_BITS

@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from worker.execution.grammar_mask import mask_vocab
 from worker.models.structured_params import Constraint
 from worker.policy.batching import Pending
 from worker.streams.token_streams import Progress
@@ -61,7 +62,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab: int, eos_ids: Any,
                  threads: int = COMPILE_THREADS) -> None:
-        self._hf, self._vocab, self._eos = tokenizer, vocab, sorted(eos_ids)
+        self._hf, self._eos = tokenizer, sorted(eos_ids)
+        self._vocab = mask_vocab(vocab, tokenizer)  # as wide as the engine's masks
         self._tokenizer: Any = None  # llguidance's, built with the first compile (~0.3 s)
         self._lock = threading.Lock()  # the cache's (held by the loop: never for long)
         self._building = threading.Lock()  # the tokenizer's, built on a compile thread
@@ -98,10 +100,10 @@ class GrammarCompiler:
         """llguidance's tokenizer of the model (its vocabulary as wide as the logits)."""
         with self._building:
             if self._tokenizer is None:
-                from llguidance.hf import from_tokenizer
+                from llguidance import LLTokenizer
 
-                self._tokenizer = from_tokenizer(self._hf, n_vocab=self._vocab,
-                                                 eos_token=self._eos)
+                self._tokenizer = LLTokenizer(byte_level_json(self._hf), n_vocab=self._vocab,
+                                              eos_token=self._eos)
             return self._tokenizer
 
     def close(self) -> None:
@@ -156,3 +158,23 @@ class GrammarGate:
             raise GrammarRefused(f"'{constraint.field}' is not a grammar llguidance can "
                                  f"enforce: {short(compiled)}", constraint.field)
         return compiled.deep_copy()
+
+
+def byte_level_json(hf_tokenizer: Any) -> str:
+    """The fast tokenizer's JSON, as llguidance.hf.from_tokenizer builds it, with a
+    byte-level pre-tokenizer's decoder set to ByteLevel: llguidance reads a token's bytes
+    from the decoder, and transformers 5.0 gives SmolLM2's GGUF tokenizer a Sequence
+    decoder, which made it read "Ġ:" as the bytes C4 A0 3A and refuse the tokens it had
+    allowed (written by hand: llguidance has no option for it)."""
+    import json
+    from copy import copy
+
+    backend = copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    if (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel" and \
+            (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                           "use_regex": True}
+    return json.dumps(spec)
