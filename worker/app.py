@@ -27,14 +27,13 @@ from worker.execution.calibration import (
     measure_merge_tokens,
     warm_up,
 )
-from worker.execution.cores import available_cores
-from worker.execution.executor import Executor, device_precision, resolve_device
+from worker.execution.executor import Executor
 from worker.execution.generation import engine_for
 from worker.execution.guarded_runner import BatchRunner
 from worker.execution.memory import MemoryProbe, memory_probe
-from worker.models import Model, ModelLoadError, create_model
+from worker.model_loading import load_model, resolve_layout
+from worker.models import Model
 from worker.models.generative import CausalLM
-from worker.models.weights_cache import default_cache_dir
 from worker.observe.startup import logged_step
 from worker.pipeline.worker import GenerationParts, Parts, Worker
 from worker.policy.batching import Batcher, BatchLimits
@@ -48,10 +47,10 @@ from worker.policy.governor import (
     policy_from_settings,
 )
 from worker.policy.latency import LatencyPolicy
-from worker.policy.layout import Layout, choose_layout
-from worker.policy.precision import INT8, Precision, UnsupportedDtype
+from worker.policy.layout import Layout
 from worker.policy.targeted import TargetedDispatch
 from worker.settings import Settings
+from worker.startup_error import StartupError
 from worker.streams import sharding
 from worker.streams.id_claims import IdClaims
 from worker.streams.maintenance import Maintenance
@@ -62,16 +61,6 @@ from worker.streams.token_streams import TokenStreams
 
 log = structlog.get_logger("redbatch")
 UNMEASURED_MERGE_TOKENS = 32  # a small encoder's on CPU, until warm-up measures the model's
-
-
-class StartupError(Exception):
-    """The worker cannot start; the message says why, for the user. `settings`: those it is
-    about that it names only as words (dtype, model), for the CLI to say where each came
-    from (setting_sources.py; names like max_batch_size are found in the message)."""
-
-    def __init__(self, message: str, settings: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.settings = settings
 
 
 def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False,
@@ -98,41 +87,6 @@ def connect(url: str, block_ms: int, attempts: int = 3, cluster: bool = False,
                                    f"{exc}", ("redis_url",)) from None
             time.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
-
-
-def load_model(settings: Settings) -> tuple[Model, torch.device]:
-    """The model loaded on its device, in the dtype the settings resolve to there."""
-    try:
-        model = create_model(settings.model, settings.model_options)
-    except ModelLoadError as exc:
-        raise StartupError(str(exc), ("model",)) from None
-    try:
-        device = resolve_device(settings.device)
-        precision = device_precision(settings.dtype, device, model.generative)
-    except UnsupportedDtype as exc:
-        raise StartupError(str(exc), ("dtype",)) from None
-    except ValueError as exc:
-        raise StartupError(str(exc), ("device",)) from None
-    set_precision(model, precision)
-    model.cache_dir = settings.cache_dir or default_cache_dir()
-    torch.set_num_threads(resolve_layout(settings, model, device).threads)
-    started = time.perf_counter()
-    log.info("model.loading", model=settings.model, device=str(device))
-    try:
-        model.load(device)
-    except Exception as exc:  # plugin code: any failure to load is a start-up error
-        raise StartupError(f"cannot load model {settings.model!r}: "
-                           f"{type(exc).__name__}: {exc}", ("model",)) from None
-    log.info("model.loaded", model=settings.model, device=str(device), dtype=precision.describe(),
-             why=precision.reason, seconds=round(time.perf_counter() - started, 2))
-    return model, device
-
-
-def resolve_layout(settings: Settings, model: Model, device: torch.device) -> Layout:
-    """How many model instances this process runs, with how many torch threads."""
-    return choose_layout(settings.instances, settings.torch_threads,
-                         settings.cpu_cores or available_cores(), device.type == "cpu",
-                         model.concurrent_forward)
 
 
 def assemble_worker(settings: Settings, model: Model, executor: Executor,
@@ -268,18 +222,6 @@ def describe_worker(settings: Settings, layout: Layout, model: Model, device: to
                                       "margin_ms": margin}}
 
     return describe
-
-
-def set_precision(model: Model, precision: Precision) -> None:
-    """The resolved dtype onto the model before load(); int8 only where the model has it."""
-    if precision.dtype == INT8:
-        if not model.int8_capable:
-            raise StartupError("dtype int8 is for the encoder kinds (minilm, encoder, "
-                               "reranker); this model has no int8 path", ("dtype",))
-        model.dtype, model.quantization = torch.float32, INT8
-    else:
-        model.dtype = getattr(torch, precision.dtype)
-    model.dtype_reason = precision.reason
 
 
 def build_governor(settings: Settings, limits: BatchLimits, boundaries: Sequence[int],

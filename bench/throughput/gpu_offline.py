@@ -1,6 +1,6 @@
 """gpu_compare's offline limits: redbatch's own model and executor in a loop, no Redis.
 
-The model is loaded as the worker loads it at default settings (worker.app.load_model: the
+The model is loaded as the worker loads it at default settings (worker.model_loading.load_model: the
 device's dtype), with the device's batch limits and buckets (policy/device_defaults.py) and,
 on CUDA, the same CUDA graphs captured (execution/cuda_graphs.install). Two loops:
   forward only  pre-tokenised items sorted by length, cut under both batch limits, the next
@@ -37,7 +37,7 @@ class Offline:
 
 def offline_setup(device: torch.device) -> Offline:
     """MiniLM loaded, limited and graphed as a default worker on `device` has it."""
-    from worker.app import load_model
+    from worker.model_loading import load_model
     from worker.settings import load_settings
 
     settings = on_device(load_settings(None, model="minilm", device=str(device),

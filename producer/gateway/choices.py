@@ -36,7 +36,7 @@ from producer.gateway.generation import (
     own_entry,
     prepare,
     sse,
-    until_disconnected,
+    unless_disconnected,
     worker_error,
 )
 from producer.gateway.generation_shapes import (
@@ -107,18 +107,11 @@ async def wait_all(generations: Generations, ids: list[str], request: Request,
                    parsed: GenerationRequest) -> list[dict[str, Any]] | None:
     """Every choice's result, in order; None when the client went away first (all are
     cancelled); a failed choice's error (the others cancelled)."""
-    replies = asyncio.ensure_future(asyncio.gather(*map(generations.wait_reply, ids)))
-    gone = asyncio.ensure_future(until_disconnected(request.receive))
-    try:
-        await asyncio.wait((replies, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not replies.done():
-            replies.cancel()
-    if not replies.done() or replies.cancelled():
+    answered, envelopes = await unless_disconnected(
+        asyncio.gather(*map(generations.wait_reply, ids)), request.receive)
+    if not answered or envelopes is None:
         await cancel_all(generations, ids)
         return None
-    envelopes = replies.result()
     for envelope in envelopes:
         if not envelope.get("ok"):
             await cancel_all(generations, ids)

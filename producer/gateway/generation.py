@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import redis.asyncio as aioredis
@@ -45,6 +45,7 @@ from producer.request_base import block_slices
 
 Entry = tuple[str, dict[str, Any]]
 Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel
+T = TypeVar("T")
 CANCEL_MARGIN_MS = 60_000  # the cancel key outlives the request's deadline by this much
 API_NAMES = {"max_new_tokens": "max_tokens"}  # payload keys the API names otherwise
 CLIENT_CLOSED = 499  # the status recorded (nginx's) for an answer nobody was left to read
@@ -94,6 +95,22 @@ async def until_disconnected(receive: Receive) -> None:
         pass
 
 
+async def unless_disconnected(work: Awaitable[T], receive: Receive) -> tuple[bool, T | None]:
+    """(True, its result) when `work` ends first, (False, None) when the client goes first
+    (`work` is cancelled then); a result that came with the disconnect still counts."""
+    done = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnected(receive))
+    try:
+        await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not done.done():
+            done.cancel()
+    if done.done() and not done.cancelled():
+        return True, done.result()
+    return False, None
+
+
 class Generations:
     """The Redis side of a generation: submit, wait, read the stream, cancel."""
 
@@ -130,18 +147,10 @@ class Generations:
                              receive: Receive) -> dict[str, Any] | None:
         """wait_reply, unless the client disconnects first: then the generation is cancelled
         and None returned (the worker's `cancelled` reply expires unread, by its TTL)."""
-        reply = asyncio.ensure_future(self.wait_reply(request_id))
-        gone = asyncio.ensure_future(until_disconnected(receive))
-        try:
-            await asyncio.wait((reply, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not reply.done():
-                reply.cancel()
-        if reply.done() and not reply.cancelled():
-            return reply.result()  # an answer that came with the disconnect still counts
-        await self.cancel(request_id)
-        return None
+        answered, reply = await unless_disconnected(self.wait_reply(request_id), receive)
+        if not answered:
+            await self.cancel(request_id)
+        return reply
 
     async def read(self, key: str, last: str, deadline: float,
                    request_id: str) -> list[Entry]:

@@ -3,7 +3,7 @@ load takes about 15 s; a module-scoped copy each paid it again)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,3 +20,24 @@ def smollm2() -> Iterator[Any]:
         yield load_model()
     finally:
         torch.set_num_threads(threads)
+
+
+def six_decoding(tiny: tuple[Any, Any], params_of: Callable[[int], Any]) -> tuple[Any, Any]:
+    """An engine whose next plan is six rows decoding together (their params by row), three
+    steps in: (engine, that plan), for the tests that count a decode step's copies."""
+    from worker.execution.generation import GenerationEngine
+    from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
+
+    lm, tokenizer = tiny
+    engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), [tokenizer.eos_token_id])
+    scheduler = DecodingScheduler(SchedulerLimits())
+    for i in range(6):
+        params = params_of(i)
+        ids = tokenizer(f"hello redis {i}").input_ids
+        engine.add(str(i), ids, params)
+        scheduler.add(SeqState(str(i), len(ids), params.max_new_tokens))
+    for _ in range(3):
+        scheduler.update(engine.step(scheduler.schedule()).finished)
+    plan = scheduler.schedule()
+    assert len(plan.decode) == 6 and not plan.prefill
+    return engine, plan

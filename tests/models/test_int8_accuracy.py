@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from tests.rigs.paths import REPO_ROOT
 from tests.rigs.tiny_encoders import build_tiny_cross_encoder
-from worker.app import StartupError, build_worker, load_model
+from worker.app import StartupError, build_worker
+from worker.model_loading import load_model
 from worker.models import create_model
 from worker.settings import load_settings
 

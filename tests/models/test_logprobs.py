@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.models.conftest import six_decoding
 from tests.models.test_generation import random_arrivals
 from tests.rigs.tiny_lm import build_tiny_lm
 from worker.execution.generation import GenerationEngine
@@ -123,18 +124,8 @@ def test_a_logprobs_step_copies_once_each_way_and_reads_nothing_else_back(
         tiny: tuple[Any, Any]) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    lm, tokenizer = tiny
-    engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), [tokenizer.eos_token_id])
-    scheduler = DecodingScheduler(SchedulerLimits())
-    for i in range(6):
-        params = SAMPLED if i % 2 else SamplingParams(24, logprobs=i)
-        ids = tokenizer(f"hello redis {i}").input_ids
-        engine.add(str(i), ids, params)
-        scheduler.add(SeqState(str(i), len(ids), params.max_new_tokens))
-    for _ in range(3):
-        scheduler.update(engine.step(scheduler.schedule()).finished)
-    plan = scheduler.schedule()
-    assert len(plan.decode) == 6 and not plan.prefill
+    engine, plan = six_decoding(
+        tiny, lambda i: SAMPLED if i % 2 else SamplingParams(24, logprobs=i))
     copies, back = engine.buffers.copies, engine.buffers.copies_back
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         launched = engine.launch(plan)

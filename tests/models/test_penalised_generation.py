@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.models.conftest import six_decoding
 from tests.models.test_generation import random_arrivals, serve
 from tests.models.test_overlapped_steps import one_at_a_time, overlapped
 from tests.rigs.tiny_lm import build_tiny_lm
@@ -101,18 +102,8 @@ def test_a_penalised_decode_step_makes_one_copy_in_and_reads_nothing_back(
         tiny: tuple[Any, Any]) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    lm, tokenizer = tiny
-    engine = GenerationEngine(lm, tokenizer, torch.device("cpu"), [tokenizer.eos_token_id])
-    scheduler = DecodingScheduler(SchedulerLimits())
-    for i in range(6):
-        params = PENALISED if i % 2 else SamplingParams(24, logit_bias=((5, 1.0),))
-        ids = tokenizer(f"hello redis {i}").input_ids
-        engine.add(str(i), ids, params)
-        scheduler.add(SeqState(str(i), len(ids), params.max_new_tokens))
-    for _ in range(3):
-        scheduler.update(engine.step(scheduler.schedule()).finished)
-    plan = scheduler.schedule()
-    assert len(plan.decode) == 6 and not plan.prefill
+    engine, plan = six_decoding(
+        tiny, lambda i: PENALISED if i % 2 else SamplingParams(24, logit_bias=((5, 1.0),)))
     before = engine.buffers.copies
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step(plan)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from worker.app import StartupError, load_model
 from worker.execution.calibration import (
     CalibrationError,
     calibrate,
@@ -14,8 +13,10 @@ from worker.execution.calibration import (
 )
 from worker.execution.executor import Executor
 from worker.execution.memory import memory_probe
+from worker.model_loading import load_model
 from worker.policy.device_defaults import default_boundaries, on_device
 from worker.settings import Settings
+from worker.startup_error import StartupError
 
 
 def run_calibration(settings: Settings, repeats: int) -> int:

@@ -169,6 +169,8 @@ def byte_level_json(hf_tokenizer: Any) -> str:
     import json
     from copy import copy
 
+    if getattr(hf_tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError("only fast tokenizers are supported")  # as from_tokenizer says
     backend = copy(hf_tokenizer.backend_tokenizer)
     backend.no_padding()
     backend.no_truncation()

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from tests.rigs.paths import REPO_ROOT
 from tests.rigs.workers import loaded_model
-from worker.app import StartupError, build_worker, load_model
+from worker.app import StartupError, build_worker
 from worker.execution.calibration import calibration_path
 from worker.execution.executor import cpu_bf16_support
+from worker.model_loading import load_model
 from worker.models.minilm import MiniLMModel
 from worker.policy.precision import Precision, UnsupportedDtype, choose_precision
 from worker.settings import SettingsError, load_settings
