@@ -1,18 +1,16 @@
 """The runner: whoever holds a batch's lease validates its file, admits its lines into the
 model's stream in windows, settles the workers' replies into output lines, and finishes it.
 
-Every gateway runs one (in its lifespan), and `python -m producer batches` runs one alone.
-Each batch has one holder at a time (the lease, renewed every step); a holder that dies
-lets the lease lapse and another takes the batch over where the state in Redis says it is:
-lines in flight keep their attempt and a due time, so a line whose request was lost is
-admitted again as a new attempt, and the done bitmap answers each line once whichever
-attempt answers first.
+Every gateway runs one, and `python -m producer batches` runs one alone. Each batch has one
+holder at a time (the lease, renewed every step); when a holder dies, the lease lapses and
+another takes the batch over where Redis says it is: lines in flight keep their attempt and
+a due time (`takeover_s` after a takeover: the dead holder may have recorded lines it never
+queued); a line due is admitted again as a new attempt; the done bitmap answers each line
+once, whichever attempt answers first.
 
-Low priority: lines go in at priority -1 (below every online request, which the workers
-batch first), and only while the model's backlog is under `max_backlog`, or `busy_backlog`
-while online requests are queued, so a batch fills the device's spare capacity and online
-traffic never queues behind a window of it. A line the workers shed (`overloaded`) is
-deferred and admitted again later, never failed.
+Low priority: lines go in at priority -1 (below online requests) only while the model's
+backlog is under `max_backlog` (`busy_backlog` while online requests are queued): a batch
+fills spare capacity. A line the workers shed (`overloaded`) is admitted again later.
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ class RunnerConfig:
     busy_backlog: int = 2  # the batch's own lines queued, while online requests are queued too
     lease_s: float = 15.0
     flight_timeout_s: float = 900.0  # a line admitted this long ago, unanswered, goes again
+    takeover_s: float = 30.0  # lines in flight when a batch is taken over go again this soon
     poll_s: float = 0.2  # between rounds that moved nothing
     busy_poll_s: float = 0.005  # between rounds that settled or admitted lines
     max_lines: int = 50_000
@@ -88,9 +87,10 @@ class Runner:
     async def round(self) -> bool:
         """Step every batch this runner holds; whether any settled or admitted lines."""
         lease_ms, moved = int(self.config.lease_s * 1000), False
+        takeover_ms = int((time.time() + self.config.takeover_s) * 1000)
         for batch_id, listed_ms in await self.store.active():
             try:
-                if await self.store.lease(batch_id, self.holder, lease_ms):
+                if await self.store.lease(batch_id, self.holder, lease_ms, takeover_ms):
                     moved = await self.step(batch_id, listed_ms) or moved
             except Exception as exc:  # one batch's fault must not stall the others
                 log.warning("batch_step_failed", batch=batch_id,

@@ -1,8 +1,17 @@
 """The Lua scripts of a batch's state changes; each touches only the batch's slot."""
 
 LEASE = """
--- KEYS[1] lease; ARGV[1] holder, ARGV[2] ms. 2: taken now, 1: renewed, 0: another holds it
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 2 end
+-- KEYS[1] lease, KEYS[2] flight, KEYS[3] deferred; ARGV[1] holder, ARGV[2] ms, ARGV[3] due
+-- ms. 2: taken now, 1: renewed, 0: another holds it. Taken over, the lines in flight are due
+-- again by ARGV[3]: the last holder may have died between recording and queueing them.
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local by = tonumber(ARGV[3])
+  for _, line in ipairs(redis.call('HKEYS', KEYS[2])) do
+    local due = redis.call('ZSCORE', KEYS[3], line)
+    if not due or tonumber(due) > by then redis.call('ZADD', KEYS[3], by, line) end
+  end
+  return 2
+end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1

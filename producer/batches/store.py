@@ -134,8 +134,12 @@ class BatchStore:
 
     # --- the runner's steps ----------------------------------------------------------------
 
-    async def lease(self, batch_id: str, holder: str, ms: int) -> bool:
-        return bool(await self._lease(keys=[self.keys(batch_id).lease], args=[holder, ms]))
+    async def lease(self, batch_id: str, holder: str, ms: int, due_ms: int) -> bool:
+        """Whether `holder` holds the batch (taken or renewed); taken over, its lines in
+        flight are due again by `due_ms`."""
+        k = self.keys(batch_id)
+        return bool(await self._lease(keys=[k.lease, k.flight, k.deferred],
+                                      args=[holder, ms, due_ms]))
 
     async def start(self, batch_id: str, status: str, now_s: int, total: int, errors: str,
                     model: str) -> None:

@@ -44,12 +44,28 @@ def test_a_line_is_answered_once_and_the_batch_finishes_with_its_files(r: redis.
 
 def test_a_lease_is_held_by_one_runner_until_it_lapses(r: redis.Redis) -> None:
     lease = r.register_script(scripts.LEASE)
-    key = keys.BatchKeys("redbatch", keys.new_batch_id()).lease
-    assert lease(keys=[key], args=["a", 10_000]) == 2
-    assert lease(keys=[key], args=["a", 10_000]) == 1
-    assert lease(keys=[key], args=["b", 10_000]) == 0
-    r.delete(key)
-    assert lease(keys=[key], args=["b", 10_000]) == 2
+    k = keys.BatchKeys("redbatch", keys.new_batch_id())
+    lease_keys = [k.lease, k.flight, k.deferred]
+    assert lease(keys=lease_keys, args=["a", 10_000, 0]) == 2
+    assert lease(keys=lease_keys, args=["a", 10_000, 0]) == 1
+    assert lease(keys=lease_keys, args=["b", 10_000, 0]) == 0
+    r.delete(k.lease)
+    assert lease(keys=lease_keys, args=["b", 10_000, 0]) == 2
+
+
+def test_a_batch_taken_over_has_its_lines_in_flight_due_again_soon(r: redis.Redis) -> None:
+    """The holder that died may have recorded lines in flight and never queued them: the
+    next holder admits them again by the takeover time, not the flight timeout."""
+    lease = r.register_script(scripts.LEASE)
+    k = keys.BatchKeys("redbatch", keys.new_batch_id())
+    r.hset(k.flight, mapping={"0": 1, "1": 2, "2": 1})
+    r.zadd(k.deferred, {"0": 900_000, "1": 5})
+    assert lease(keys=[k.lease, k.flight, k.deferred], args=["b", 10_000, 100]) == 2
+    assert r.zrange(k.deferred, 0, -1, withscores=True) == [
+        (b"1", 5.0), (b"0", 100.0), (b"2", 100.0)]
+    r.zadd(k.deferred, {"0": 900_000})
+    assert lease(keys=[k.lease, k.flight, k.deferred], args=["b", 10_000, 100]) == 1
+    assert r.zscore(k.deferred, "0") == 900_000
 
 
 def test_create_refuses_a_second_batch_of_the_same_id(r: redis.Redis) -> None:
