@@ -240,7 +240,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                   for b, p in zip(runs["batch_api"], runs["producer"], strict=True)]
         rate = median([r["lines_per_s"] for r in runs["producer"]]) * args.load
         latency = latency_beside_a_batch(base_url, texts, rate, args.online_s,
-                                         args.latency_rounds)
+                                         args.latency_rounds) if args.latency_rounds else None
     return {"machine": describe_machine(), "lines": args.lines, "runs": runs,
             "median_lines_per_s": {p: median([r["lines_per_s"] for r in rs])
                                    for p, rs in runs.items()},
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--online-s", type=float, default=20.0)
     parser.add_argument("--load", type=float, default=0.5, help="online rate / capacity")
     parser.add_argument("--latency-rounds", type=int, default=2, help=(
-        "pairs of online phases, alone then beside a batch"))
+        "pairs of online phases, alone then beside a batch (0: throughput only)"))
     parser.add_argument("--separate-runner", action="store_true", help=(
         "the batch runner as `python -m producer batches`, not in the gateway's process"))
     parser.add_argument("--out", type=Path, default=None)
