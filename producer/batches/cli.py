@@ -204,9 +204,12 @@ async def dispatch(session: Session, args: argparse.Namespace) -> int:
     if args.command == "results":
         kind = "errors" if args.errors else "output"
         file_id = keys.output_file_id(args.batch_id, kind)
-        target: Any = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")
-        with target:
-            await session.write_lines(file_id, target)
+        if args.output == "-":  # stdout stays open: the caller may write after it
+            await session.write_lines(file_id, sys.stdout.buffer)
+            sys.stdout.buffer.flush()
+        else:
+            with open(args.output, "wb") as target:
+                await session.write_lines(file_id, target)
         return 0
     show(meta)
     return 0

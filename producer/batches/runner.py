@@ -27,7 +27,6 @@ from typing import Any
 import structlog
 
 from producer.async_client import AsyncClient
-from producer.backlog import BACKLOG
 from producer.batches import keys, lines, objects
 from producer.batches.pacing import Pacing, backlog_room
 from producer.batches.settling import Settlement, answered_bit, envelopes_of, settle
@@ -64,7 +63,6 @@ class Runner:
                  kind_of: KindOf, config: RunnerConfig, holder: str) -> None:
         self.store, self.client, self.kind_of = store, client, kind_of
         self.config, self.holder = config, holder
-        self._backlog = store.redis.register_script(BACKLOG)
         self.rates: dict[str, tuple[float, float | None]] = {}  # batch -> (lines/s, ETA s)
         self.pacing: dict[str, Pacing] = {}  # batch -> its window (AIMD on shed lines)
 
@@ -220,8 +218,7 @@ class Runner:
         cfg = self.config
         model = objects.text(meta, "model") or ""
         client = self.client(model)
-        backlog = int(await self._backlog(keys=[client.stream_key],
-                                          args=[client.group, cfg.max_backlog + 1]))
+        backlog = await self.store.backlog(model, client.group, cfg.max_backlog + 1)
         window = self.pacing.setdefault(batch_id, Pacing(cfg.window)).window
         room = min(window - max(flying, 0),
                    backlog_room(cfg.max_backlog, cfg.busy_backlog, backlog, queued))

@@ -8,11 +8,15 @@ never an index entry without its object being skipped (listing drops such entrie
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from producer import connection, protocol
+from producer.backlog import BACKLOG, published_shards
 from producer.batches import keys, scripts
 from producer.batches.keys import BatchKeys
+from producer.shards import shard_stream_key, shards_key
 
 READ_WINDOW = 1000  # lines per round trip when a file is read or written
 UPLOAD_TTL_MS = 3_600_000  # an upload's lines, until it is published
@@ -21,8 +25,8 @@ UPLOAD_TTL_MS = 3_600_000  # an upload's lines, until it is published
 class BatchStore:
     def __init__(self, redis: Any, namespace: str) -> None:
         self.redis, self.namespace = redis, namespace
-        self._lease, self._create = (redis.register_script(s) for s in (
-            scripts.LEASE, scripts.CREATE))
+        self._lease, self._create, self._backlog = (redis.register_script(s) for s in (
+            scripts.LEASE, scripts.CREATE, BACKLOG))
         self._start, self._cancel, self._admit, self._settle, self._finish = (
             redis.register_script(s) for s in (scripts.START, scripts.CANCEL, scripts.ADMIT,
                                                scripts.SETTLE, scripts.FINISH))
@@ -73,11 +77,11 @@ class BatchStore:
         return lines
 
     async def drop_file(self, file_id: str, owner: str) -> None:
+        """Unlisted first, then gone: two calls, as a cluster's pipeline runs each node's
+        part at once, in no order (one slot's two keys are one DEL)."""
         found, content = keys.file_keys(self.namespace, file_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(keys.file_index(self.namespace, owner), file_id)
-            pipe.delete(found, content)
-            await pipe.execute()
+        await self.redis.zrem(keys.file_index(self.namespace, owner), file_id)
+        await self.redis.delete(found, content)
 
     # --- listing ---------------------------------------------------------------------------
 
@@ -133,6 +137,17 @@ class BatchStore:
         await self.redis.zrem(keys.active_batches(self.namespace), batch_id)
 
     # --- the runner's steps ----------------------------------------------------------------
+
+    async def backlog(self, model: str, group: str, cap: int) -> int:
+        """The model's unacked entries, which admission weighs: on a cluster summed over its
+        shards (one BACKLOG call each, as each shard is a slot of its own)."""
+        streams = [protocol.stream_key(self.namespace, model)]
+        if connection.is_cluster_client(self.redis):
+            count = published_shards(await self.redis.get(shards_key(self.namespace, model)))
+            streams = [shard_stream_key(self.namespace, model, s) for s in range(count or 0)]
+        found = await asyncio.gather(*(self._backlog(keys=[s], args=[group, cap])
+                                       for s in streams))
+        return sum(int(n) for n in found)
 
     async def lease(self, batch_id: str, holder: str, ms: int, due_ms: int) -> bool:
         """Whether `holder` holds the batch (taken or renewed); taken over, its lines in

@@ -26,8 +26,9 @@ from typing import Any, NamedTuple
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from producer import protocol
+from producer import connection, protocol
 from producer.liveness import Kind, announced, kind_of, live_workers, registry_seen_ms
+from producer.shards import shard_stream_key
 
 
 class ModelState(StrEnum):
@@ -67,6 +68,13 @@ class Discovery:
         self.cache_s = cache_s
         self._live: dict[str, tuple[float, ModelInfo]] = {}  # until when, what
         self._listed: tuple[float, list[Listed]] | None = None  # until when, what
+        self._sharded = connection.is_cluster_client(redis)
+
+    def stream(self, model: str) -> str:
+        """The model's stream; on a cluster its shard 0's, which every worker reads."""
+        if self._sharded:
+            return shard_stream_key(self.namespace, model, 0)
+        return protocol.stream_key(self.namespace, model)
 
     async def info(self, model: str) -> ModelInfo:
         """The model's state; a live answer is cached, others are asked again each time."""
@@ -79,7 +87,7 @@ class Discovery:
         return info
 
     async def _read_info(self, model: str) -> ModelInfo:
-        stream = protocol.stream_key(self.namespace, model)
+        stream = self.stream(model)
         try:
             groups = await self.redis.xinfo_groups(stream)
         except ResponseError:  # no such key, or not a stream
@@ -117,7 +125,7 @@ class Discovery:
             starts = [w["started_ms"] for w in live if isinstance(w.get("started_ms"), int)]
             if live:
                 created = min(starts) // 1000 if starts else await self._created(
-                    protocol.stream_key(self.namespace, model))
+                    self.stream(model))
                 found.append(Listed(model, created, kind_of(live)))
         self._listed = (time.monotonic() + self.cache_s, found)
         return found

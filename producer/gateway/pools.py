@@ -5,8 +5,8 @@ Why: redis-py's default pool refuses a call outright ("Too many connections") on
 reached, so a burst of slow calls turned every other call, readiness included, into a 503.
 A blocking pool makes a call wait up to `redis_pool_timeout_s` for a connection instead.
 Readiness gets a client of its own (one connection), so a saturated pool cannot make a healthy
-gateway look unready. Not for a Redis Cluster: the gateway talks to a single Redis or a
-Sentinel-managed master.
+gateway look unready. On a Redis Cluster (`redis_cluster`), redis-py's RedisCluster holds
+`max_connections` per node and has no blocking pool: past the cap a call fails (a 503).
 """
 
 from __future__ import annotations
@@ -31,11 +31,15 @@ def bounded_client(settings: GatewaySettings, size: int, wait_s: float,
     """An asyncio client holding at most `size` connections; a call waits up to `wait_s`
     for one, then raises redis.ConnectionError."""
     secret = settings.redis_password
+    password = None if secret is None else secret.get_secret_value()
+    if settings.redis_cluster:  # a pool per node, no blocking pool class to give it
+        return connection.async_client(settings.redis_url, cluster=True, password=password,
+                                       max_connections=size, **kwargs)
     mode = connection.parse_target(settings.redis_url).mode
     pool_class = BlockingSentinelConnectionPool if mode == "sentinel" else \
         BlockingConnectionPool
     return connection.async_client(
-        settings.redis_url, password=None if secret is None else secret.get_secret_value(),
+        settings.redis_url, password=password,
         connection_pool_class=pool_class, max_connections=size, timeout=wait_s, **kwargs)
 
 

@@ -25,6 +25,8 @@ class GatewaySettings(BaseSettings):
         "embedded Redis) if present, else redis://localhost:6379/0"))
     redis_password: SecretStr | None = Field(None, min_length=1, description=(
         "Redis AUTH password, in place of one in redis_url (no URL encoding)"))
+    redis_cluster: bool = Field(False, description=(
+        "redis_url is a seed node of a Redis Cluster (each model's queue sharded)"))
     namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
     group: str = Field(DEFAULT_GROUP, min_length=1)
     request_timeout_s: float = Field(30.0, gt=0, description=(

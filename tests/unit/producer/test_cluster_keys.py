@@ -11,6 +11,7 @@ from redis.crc import key_slot as redis_key_slot
 
 from producer import protocol
 from producer.backlog import ADD_IF_UNDER, ADD_ONCE, ShardCycle, published_shards
+from producer.batches import keys as batch_keys
 from producer.shards import (
     check_cluster_names,
     key_slot,
@@ -67,6 +68,17 @@ def test_every_script_of_a_shard_stays_in_one_slot() -> None:
             assert len(slots) == 1, (model, shard, request_id)
     assert checked > 5000
     assert ADD_ONCE and ADD_IF_UNDER  # the scripts those KEYS are for
+
+
+def test_a_batch_s_keys_and_its_files_are_in_one_slot() -> None:
+    """Every script of producer/batches/scripts.py gets keys of one batch (issue 43)."""
+    for _ in range(50):
+        batch_id, file_id = batch_keys.new_batch_id(), batch_keys.new_file_id()
+        found = batch_keys.BatchKeys("redbatch", batch_id).all()
+        for kind in ("output", "errors"):
+            found += batch_keys.file_keys("redbatch", batch_keys.output_file_id(batch_id, kind))
+        assert len({key_slot(k) for k in found}) == 1
+        assert len({key_slot(k) for k in batch_keys.file_keys("redbatch", file_id)}) == 1
 
 
 def test_a_shard_s_default_reply_stream_is_its_reply_key_s_twin() -> None:
