@@ -39,8 +39,8 @@ import psutil
 from bench.common.corpus import build_corpus
 from bench.common.load import poisson_offsets
 from bench.common.machine import describe_machine
-from bench.common.processes import REPO_ROOT, Workers
-from bench.common.stats import median, percentile
+from bench.common.processes import REPO_ROOT, Workers, scrape
+from bench.common.stats import Samples, median, percentile
 from bench.gateway.compare import start_gateway
 from worker.streams.server import RedisServer
 
@@ -199,8 +199,21 @@ def one_round(base_url: str, texts: list[str], rate: float, seconds: float) -> d
             "batch_lines_done_meanwhile": done, "batch_lines_per_s": done / seconds}
 
 
+def batch_shape(before: Samples, after: Samples) -> dict[str, float]:
+    """The worker's batches meanwhile: how many, their mean size and padding efficiency
+    (smaller or more padded batches are where a path's extra worker CPU goes)."""
+    def grown(name: str) -> float:
+        return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name)
+    batches, rows = grown("redbatch_batch_size_count"), grown("redbatch_batch_size_sum")
+    padded = grown("redbatch_padded_tokens_total")
+    return {"batches": batches, "mean_rows": rows / batches if batches else 0.0,
+            "padding_efficiency": grown("redbatch_real_tokens_total") / padded if padded
+            else 1.0}
+
+
 @contextmanager
-def stack(tmp: Path, separate_runner: bool) -> Iterator[tuple[str, str, dict[str, int]]]:
+def stack(tmp: Path, separate_runner: bool
+          ) -> Iterator[tuple[str, str, dict[str, int], list[int]]]:
     """An embedded Redis, one minilm worker process and a gateway (with `separate_runner`,
     one with no batch runner, and `python -m producer batches` beside it)."""
     server = RedisServer(tmp / "redis", appendonly=False).start()
@@ -217,7 +230,7 @@ def stack(tmp: Path, separate_runner: bool) -> Iterator[tuple[str, str, dict[str
                     cwd=REPO_ROOT, stderr=subprocess.DEVNULL))
                 pids["runner"] = extra[0].pid
             try:
-                yield server.url, base_url, pids
+                yield server.url, base_url, pids, workers.ports
             finally:
                 for process in [gateway, *extra]:
                     process.terminate()
@@ -230,12 +243,14 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     texts = build_corpus(args.lines).texts
     texts = (texts * (args.lines // max(len(texts), 1) + 1))[:args.lines]
     runs: dict[str, list[dict[str, Any]]] = {"producer": [], "batch_api": []}
-    with stack(tmp, args.separate_runner) as (redis_url, base_url, pids):
+    with stack(tmp, args.separate_runner) as (redis_url, base_url, pids, ports):
         for repeat in range(args.repeats):
             order = ("producer", "batch_api") if repeat % 2 == 0 else ("batch_api", "producer")
             for path in order:
-                runs[path].append(via_producer(redis_url, texts, tmp, pids) if path == "producer"
-                                  else via_batch_api(base_url, texts, pids))
+                before = scrape(ports)
+                run = (via_producer(redis_url, texts, tmp, pids) if path == "producer"
+                       else via_batch_api(base_url, texts, pids))
+                runs[path].append({**run, "worker_batches": batch_shape(before, scrape(ports))})
         ratios = [b["lines_per_s"] / p["lines_per_s"]
                   for b, p in zip(runs["batch_api"], runs["producer"], strict=True)]
         rate = median([r["lines_per_s"] for r in runs["producer"]]) * args.load
