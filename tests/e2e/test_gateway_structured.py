@@ -190,3 +190,21 @@ def test_a_10_mb_schema_is_400_naming_the_field_and_413_over_max_body_bytes(
     with gateway_factory() as default:  # 4 MiB: the body itself is refused, as HTTP says
         assert httpx.post(f"{default}/v1/completions", content=ten_mb, timeout=30, headers={
             "content-type": "application/json"}).status_code == 413
+
+
+def test_the_conversation_after_a_tool_call_is_answered(served: str) -> None:
+    client = sdk(served)
+    asked = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200,
+                                           tools=TOOLS, tool_choice="required")  # type: ignore[arg-type]
+    message = asked.choices[0].message
+    assert message.tool_calls
+    result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C"}
+    alone = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1).usage
+    for tools in ({"tools": TOOLS, "tool_choice": "none"}, {}):  # the SDK's message as it is
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[*MESSAGES, message, result], max_tokens=8,  # type: ignore[list-item]
+            **tools)  # type: ignore[arg-type]
+        assert answer.choices[0].message.content and answer.usage and alone
+        # the call and its result were rendered into the prompt (as plain text: the tiny
+        # model's template has no tool format)
+        assert answer.usage.prompt_tokens > alone.prompt_tokens + 10
