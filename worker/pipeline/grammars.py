@@ -8,9 +8,10 @@ once. A grammar llguidance refuses is kept too (its error), so a repeat is refus
 llguidance builds its lexer lazily, so a regex that explodes ((a|b)*a(a|b){40}, .*a.{40})
 compiles at once and grows by states with every token; the compile thread therefore walks
 a probe matcher through PROBE_TOKENS seeded random tokens under PROBE_STATES lexer states
-(`explodes`) and refuses the grammar whose walk runs out (the real schemas of the tests
-build under 300). A matcher that still fails while generating allows only EOS, and the loop
-ends that one sequence with an error (execution/grammar_mask.py `failures`).
+(`explodes`) and refuses the grammar whose walk runs out (the real schemas and regexes of
+the tests stay under it). A matcher that still fails while generating (a `pattern` deep in
+a schema the walk missed) allows only EOS, and the loop ends that one sequence with an
+error (execution/grammar_mask.py `failures`).
 
 `GrammarGate` holds a request whose grammar is still compiling, so the loop keeps stepping
 the others; the loop takes it back (`ready`) once its compile is done or over
