@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from producer.gateway.chat_messages import parse_messages
 from producer.gateway.choice_fields import parse_n, parse_prompts
 from producer.gateway.errors import invalid, refuse_unsupported
 from producer.gateway.logprob_shapes import CHAT_LOGPROB_FIELDS, logprob_fields, shaped
@@ -25,9 +26,6 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", 
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", *CHAT_LOGPROB_FIELDS,
                                *TOOL_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
-MESSAGE_FIELDS = {"role", "content", "name"}
-ROLES = {"system": "system", "developer": "system", "user": "user",
-         "assistant": "assistant"}  # OpenAI's newer "developer" is a system message
 CHAT, TEXT = "chat", "text"
 # The worker's finish_reason -> OpenAI's (stop, length, content_filter, tool_calls): a
 # generation cancelled (its client went, or redbatch:cancel:<id> was set) ended early on
@@ -134,38 +132,6 @@ def parse_stop(value: Any) -> list[str]:
         raise invalid(f"a 'stop' string has {max(map(len, stops))} characters; at most "
                       f"{MAX_STOP_CHARS}", "stop")
     return list(stops)
-
-
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    """[{"role", "content"}]; content a string or a list of text parts (joined)."""
-    if not isinstance(value, list) or not value:
-        raise invalid("'messages' is required: a non-empty list of messages", "messages")
-    messages = []
-    for index, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise invalid(f"'messages[{index}]' must be an object with a string 'role'",
-                          "messages")
-        extra = sorted(set(message) - MESSAGE_FIELDS)
-        if extra:
-            raise invalid(f"'messages[{index}].{extra[0]}' is not supported", "messages",
-                          "unsupported_parameter")
-        if message["role"] not in ROLES:
-            raise invalid(f"'messages[{index}].role' must be one of {sorted(ROLES)}, got "
-                          f"{message['role']!r}", "messages")
-        messages.append({"role": ROLES[message["role"]],
-                         "content": _content(message.get("content"), index)})
-    return messages
-
-
-def _content(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(part["text"] for part in content)
-    raise invalid(f"'messages[{index}].content' must be a string or a list of text parts",
-                  "messages")
 
 
 def _include_usage(fields: dict[str, Any], stream: bool) -> bool:

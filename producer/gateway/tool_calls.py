@@ -28,7 +28,7 @@ AUTO = ("'tool_choice' \"auto\" is not supported: send \"required\", {\"type\": 
         "\"function\": {\"name\": ...}} or \"none\"")
 
 
-def tool_fields(fields: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
+def tool_fields(fields: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The worker's payload fields for tools (none for "none" or no tools); `messages` get
     the tools' description. Raises 400 for "auto" and for malformed tools."""
     tools, choice = fields.get("tools"), fields.get("tool_choice")
@@ -89,7 +89,7 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
         "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _describe(messages: list[dict[str, str]], description: str) -> None:
+def _describe(messages: list[dict[str, Any]], description: str) -> None:
     """The tools' description at the end of the first system message, or in a new one
     first (a chat template may refuse two system messages in a row)."""
     if messages and messages[0]["role"] == "system":

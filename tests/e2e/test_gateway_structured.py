@@ -34,6 +34,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                               "b": {"type": "integer", "maximum": 99}},
              "required": ["a", "b"], "additionalProperties": False}}}]
 BIG = 16 << 20
+EXPLODING = ".*a.{40}"  # its lexer's states grow with each token: refused at compile
 
 
 class City(BaseModel):
@@ -109,7 +110,8 @@ def test_tools_required_and_named_answer_tool_calls_streamed_and_not(served: str
 
 def hostile_bodies() -> list[bytes]:
     """A schema of a million nested levels, one of 10 MB and one of 100 nested arrays (the
-    gateway's 400s), a Lark grammar and a regex llguidance refuses (the worker's)."""
+    gateway's 400s), a Lark grammar and a regex llguidance refuses and one that explodes
+    (the worker's)."""
     head = b'{"model": "%s", "prompt": "x", "max_tokens": 8, "response_format": ' % \
         MODEL.encode() + b'{"type": "json_schema", "json_schema": {"name": "s", "schema": '
     million = head + b'{"a":' * 1_000_000 + b"1" + b"}" * 1_000_000 + b"}}}"
@@ -119,7 +121,8 @@ def hostile_bodies() -> list[bytes]:
     for _ in range(100):
         deep = {"type": "array", "items": deep}
     worker = [json.dumps({"model": MODEL, "prompt": "x", "structured_outputs": body}).encode()
-              for body in ({"grammar": "start: ((" * 5000}, {"regex": "(" * 20_000})]
+              for body in ({"grammar": "start: ((" * 5000}, {"regex": "(" * 20_000},
+                           {"regex": EXPLODING})]
     return [million] + [head + json.dumps(s).encode() + b"}}}" for s in (ten_mb, deep)] + worker
 
 
@@ -130,18 +133,19 @@ def hostile_bodies() -> list[bytes]:
     ({"structured_outputs": {"grammar": "start: (("}}, "structured_outputs"),  # the worker
     ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs"),  # worker
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),  # the worker
+    ({"structured_outputs": {"regex": EXPLODING}}, "structured_outputs"),  # its probe
     ({"tools": TOOLS}, "tool_choice"),  # "auto", the default: refused
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
-], ids=["type", "no-schema", "two-kinds", "lark", "schema", "regex", "tools-default",
+], ids=["type", "no-schema", "two-kinds", "lark", "schema", "regex", "explodes", "tools-default",
         "auto", "unknown-tool", "bad-tool"])
 def test_bad_grammars_are_400_naming_the_field(served: str, body: dict[str, Any],
                                                param: str) -> None:
     error = assert_openai_error(post(served, "chat/completions", {
         "model": MODEL, "messages": MESSAGES, **body}), 400)
-    assert error["param"] == param, error
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
 def test_hostile_grammars_are_400_and_a_victim_beside_them_answers_promptly(
@@ -171,8 +175,36 @@ def test_hostile_grammars_are_400_and_a_victim_beside_them_answers_promptly(
     # nothing held the generate loop; the margin: gateway, worker and client share one GIL
     # here, and the gateway's loop decodes 16 MB of hostile JSON meanwhile (0.3 s for 10 MB)
     assert beside < 3 * alone + 2.0, (beside, alone)
-    exploding = "(a|b)*a(a|b){60}"  # lazily built by llguidance: enforced, not stalled
-    answer = client.completions.create(model=MODEL, prompt="x", max_tokens=80, extra_body={
-        "structured_outputs": {"regex": exploding}})
-    assert answer.choices[0].finish_reason == "length" or re.fullmatch(
-        exploding, answer.choices[0].text)
+
+
+
+def test_a_10_mb_schema_is_400_naming_the_field_and_413_over_max_body_bytes(
+        served: str, gateway_factory: Any) -> None:  # noqa: F811
+    ten_mb = hostile_bodies()[1]
+    started = time.perf_counter()
+    reply = httpx.post(f"{served}/v1/completions", content=ten_mb, timeout=30,
+                       headers={"content-type": "application/json"})
+    error = assert_openai_error(reply, 400)
+    assert error["param"] == "response_format" and "at most 100000" in error["message"]
+    assert time.perf_counter() - started < 5.0
+    with gateway_factory() as default:  # 4 MiB: the body itself is refused, as HTTP says
+        assert httpx.post(f"{default}/v1/completions", content=ten_mb, timeout=30, headers={
+            "content-type": "application/json"}).status_code == 413
+
+
+def test_the_conversation_after_a_tool_call_is_answered(served: str) -> None:
+    client = sdk(served)
+    asked = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200,
+                                           tools=TOOLS, tool_choice="required")  # type: ignore[arg-type]
+    message = asked.choices[0].message
+    assert message.tool_calls
+    result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C"}
+    alone = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1).usage
+    for tools in ({"tools": TOOLS, "tool_choice": "none"}, {}):  # the SDK's message as it is
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[*MESSAGES, message, result], max_tokens=8,  # type: ignore[list-item]
+            **tools)  # type: ignore[arg-type]
+        assert answer.choices[0].message.content and answer.usage and alone
+        # the call and its result were rendered into the prompt (as plain text: the tiny
+        # model's template has no tool format)
+        assert answer.usage.prompt_tokens > alone.prompt_tokens + 10

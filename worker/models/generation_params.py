@@ -1,7 +1,8 @@
 """The request payload of a generative model, validated: each mistake is a clear
 InvalidInput (answered `invalid_request`), never a failure of the worker.
 
-    {"prompt": str} or {"messages": [{"role": str, "content": str}, ...]}
+    {"prompt": str} or {"messages": [{"role": str, "content": str}, ...]} (tool calls and
+        results too: models/chat_messages.py)
     max_new_tokens (int, 1..max_new_tokens_limit), temperature (>= 0; 0 = greedy),
     top_p (0 < p <= 1), top_k (int >= 0; 0 = off), seed (int), stop (<= 4 strings of
     <= 1,000 characters), stream (bool, default true), presence_penalty,
@@ -18,6 +19,7 @@ from typing import Any
 
 from producer.entry_rules import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.models.base import InvalidInput
+from worker.models.chat_messages import checked_messages
 from worker.models.logprob_params import logprob_fields
 from worker.models.penalty_params import penalty_fields
 from worker.models.structured_params import Constraint, constraint_of
@@ -62,7 +64,7 @@ class GenerationInput:
     fork_of: str | None = None  # a request of the same prompt it may share KV blocks with
 
 
-def prompt_of(payload: Any) -> str | list[dict[str, str]]:
+def prompt_of(payload: Any) -> str | list[dict[str, Any]]:
     """The prompt string or the chat messages, checked for shape."""
     if not isinstance(payload, dict):
         raise InvalidInput(SHAPE)
@@ -75,12 +77,7 @@ def prompt_of(payload: Any) -> str | list[dict[str, str]]:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidInput(SHAPE)
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise InvalidInput(f"messages[{i}] must be {{\"role\": <string>, "
-                               "\"content\": <string>}", "messages")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return checked_messages(messages)
 
 
 def wants_stream(payload: Any) -> bool:

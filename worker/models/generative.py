@@ -24,6 +24,7 @@ import torch
 
 from worker.models import weights_cache
 from worker.models.base import InvalidInput, Model, Prepared
+from worker.models.chat_messages import for_template
 from worker.models.generation_params import (
     GenerationInput,
     fork_of,
@@ -137,7 +138,7 @@ class CausalLM(Model):
         return Prepared(len(ids), GenerationInput(ids, params, wants_stream(payload),
                                                   fork_of=fork_of(payload)))
 
-    def _prompt_ids(self, prompt: str | list[dict[str, str]]) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         tokenizer = self.tokenizer
         if isinstance(prompt, list):
             if not getattr(tokenizer, "chat_template", None):
@@ -154,13 +155,14 @@ class CausalLM(Model):
             raise InvalidInput("'prompt' is empty", "prompt")
         return ids
 
-    def _chat_text(self, messages: list[dict[str, str]]) -> str:
+    def _chat_text(self, messages: list[dict[str, Any]]) -> str:
         """The messages through the chat template; a template that refuses them (its
         `raise_exception`, e.g. "Conversation roles must alternate") refuses the request."""
         from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
         try:
-            return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
+            shaped = for_template(messages, str(self.tokenizer.chat_template))
+            return str(self.tokenizer.apply_chat_template(shaped, tokenize=False,
                                                           add_generation_prompt=True))
         except TemplateSyntaxError:
             raise  # a broken template is the model's fault, not the request's

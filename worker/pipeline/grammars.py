@@ -5,6 +5,13 @@ llguidance matcher on a small thread pool (llguidance releases the GIL while it 
 grammar), under llguidance's resource limits (LIMITS), and keeps the result by the
 constraint's text: the next request with the same schema copies the compiled matcher at
 once. A grammar llguidance refuses is kept too (its error), so a repeat is refused at once.
+llguidance builds its lexer lazily, so a regex that explodes ((a|b)*a(a|b){40}, .*a.{40})
+compiles at once and grows by states with every token; the compile thread therefore walks
+a probe matcher through PROBE_TOKENS seeded random tokens under PROBE_STATES lexer states
+(`explodes`) and refuses the grammar whose walk runs out (the real schemas and regexes of
+the tests stay under it). A matcher that still fails while generating (a `pattern` deep in
+a schema the walk missed) allows only EOS, and the loop ends that one sequence with an
+error (execution/grammar_mask.py `failures`).
 
 `GrammarGate` holds a request whose grammar is still compiling, so the loop keeps stepping
 the others; the loop takes it back (`ready`) once its compile is done or over
@@ -14,6 +21,7 @@ the payload field, which the loop answers `invalid_request`.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -34,16 +42,49 @@ COMPILE_LIMIT_S = 5.0  # a compile still running then is refused (it ends on its
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
 ERROR_CHARS = 300
 HELD = object()  # GrammarGate.take: the request waits for its grammar
+MAX_LEXER_STATES = 50_000  # a matcher's (1-2 kB each); past them it fails, allowing EOS only
+PROBE_TOKENS = 512  # the random walk's length through a new grammar (tokens, in all)
+PROBE_STATES = 1_000  # lexer states that walk may build: an exploding regex builds more
 
 
-def parser_limits() -> Any:
+def parser_limits(lexer_states: int = MAX_LEXER_STATES) -> Any:
     """llguidance's resource limits, below its defaults where a hostile grammar hurts."""
     from llguidance import LLParserLimits
 
     return LLParserLimits(max_items_in_row=2_000, initial_lexer_fuel=1_000_000,
                           step_lexer_fuel=200_000, step_max_items=50_000,
-                          max_lexer_states=50_000, max_grammar_size=200_000,
+                          max_lexer_states=lexer_states, max_grammar_size=200_000,
                           verbose_errors=False)
+
+
+def explodes(tokenizer: Any, grammar: str, eos: list[int]) -> str | None:
+    """llguidance's error where seeded walks of PROBE_TOKENS random allowed tokens in all
+    through the grammar need over PROBE_STATES lexer states (or fail otherwise), else None.
+    Plain Python on the mask's bytes: torch's threads would contend with the loop's."""
+    from llguidance import LLMatcher
+
+    probe = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits(PROBE_STATES))
+    rng = random.Random(0)
+    for _ in range(PROBE_TOKENS):
+        mask = probe.compute_bitmask()
+        if probe.is_error():
+            break
+        token = random_token(mask, rng, eos)
+        if probe.is_stopped() or token is None:
+            probe.reset()  # walk again from the start: its lexer states stay built
+        else:  # a refused token shows in is_error
+            probe.consume_token(token)
+    return probe.get_error() if probe.is_error() else None
+
+
+def random_token(mask: bytes, rng: random.Random, eos: list[int]) -> int | None:
+    """A token of a random non-zero byte of the mask (one bit per token), not EOS."""
+    filled = [i for i, byte in enumerate(mask) if byte]
+    if not filled:
+        return None
+    at = rng.choice(filled)
+    tokens = [at * 8 + bit for bit in range(8) if mask[at] >> bit & 1 and at * 8 + bit not in eos]
+    return rng.choice(tokens) if tokens else None
 
 
 def short(error: str) -> str:
@@ -92,9 +133,14 @@ class GrammarCompiler:
         except (ValueError, RecursionError) as exc:
             return f"llguidance cannot read it: {exc}"
         matcher = LLMatcher(self.tokenizer(), grammar, log_level=0, limits=parser_limits())
+        error = matcher.get_error() if matcher.is_error() else \
+            explodes(self.tokenizer(), grammar, self._eos)
         log.info("grammar.compiled", kind=constraint.kind, chars=len(constraint.source),
-                 ms=round((time.perf_counter() - started) * 1000, 1), ok=not matcher.is_error())
-        return matcher.get_error() if matcher.is_error() else matcher
+                 ms=round((time.perf_counter() - started) * 1000, 1), ok=error is None)
+        if error is not None and "too many states" in error:
+            return (f"its lexer grows past {PROBE_STATES} states within {PROBE_TOKENS} "
+                    f"tokens (a regex that explodes): {error}")
+        return matcher if error is None else error
 
     def tokenizer(self) -> Any:
         """llguidance's tokenizer of the model (its vocabulary as wide as the logits)."""
