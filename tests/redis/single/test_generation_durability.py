@@ -34,7 +34,7 @@ PROMPTS = ["the quick brown fox", "redis streams carry requests", "hello world, 
            "what is the capital of", "continuous batching lets new", "the lazy dog"]
 NEW_TOKENS = 100
 TRIAL_TOKENS = 40  # about a second of generation on two loaded cores
-TRIALS = int(os.environ.get("DURABILITY_TRIALS", "12"))  # 20 take ~100 s on 2 cores
+TRIALS = int(os.environ.get("DURABILITY_TRIALS", "8"))  # 20 take ~100 s on 2 cores
 Spawn = Callable[..., WorkerProcess]
 
 
@@ -339,14 +339,16 @@ def kill_trials(spawn: Spawn, r: redis.Redis, reference: tuple[Any, Any], trials
 @pytest.mark.slow
 def test_a_long_generation_on_a_live_worker_is_not_claimed_by_another(
         spawn: Spawn, r: redis.Redis) -> None:
+    heaviest_on_redis_7_only(r)
     claim_idle_ms = 2000  # keep-alive every 667 ms: a stall of the loop up to 1.3 s is fine
-    # 12 generations of 100 steps of at least 3 ms each, one at a time: 3.6 s or more
-    workers = [spawn(n, claim_idle_ms, 1, step_ms=3.0) for n in ("a", "b")]
+    # 4 generations a worker of 40 steps of at least 25 ms each, one at a time: 4 s or
+    # more (few steps: each step's compute on loaded cores, ~25 ms, adds as much again)
+    workers = [spawn(n, claim_idle_ms, 1, step_ms=25.0) for n in ("a", "b")]
     for worker in workers:
         worker.wait_serving()
     started = time.monotonic()
-    ids = [send(r, {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": NEW_TOKENS})
-           for i in range(24)]
+    ids = [send(r, {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": TRIAL_TOKENS})
+           for i in range(8)]
     seen: dict[str, set[str]] = {}
     delivered = 1
 
