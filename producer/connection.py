@@ -27,8 +27,11 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.backoff import NoBackoff
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
@@ -131,7 +134,9 @@ def _query_options(query: str, where: str) -> dict[str, Any]:
 
 def _sentinel_parts(target: Target, kwargs: dict[str, Any]) -> tuple[dict[str, Any],
                                                                       dict[str, Any]]:
-    """(keyword arguments of each master connection, of each sentinel connection)."""
+    """(keyword arguments of each master connection, of each sentinel connection). The
+    callers add a sentinel retry of none: a sentinel that fails is skipped for the next one
+    at once (redis-py 8.0 retried each with backoff: 150 s to refuse a wrong password)."""
     master = {**target.options, **kwargs}
     if target.tls:
         master["ssl"] = True
@@ -153,6 +158,7 @@ def sync_client(url: str, cluster: bool = False, password: str | None = None,
     try:
         if target.mode == "sentinel":
             master, to_sentinel = _sentinel_parts(target, kwargs)
+            to_sentinel.setdefault("retry", Retry(NoBackoff(), 0))
             client = Sentinel(list(target.sentinels), sentinel_kwargs=to_sentinel).master_for(
                 target.service, **master)
         elif target.mode == "cluster":  # connects to the seed node at once
@@ -197,6 +203,7 @@ def async_client(url: str, cluster: bool = False, password: str | None = None,
     try:
         if target.mode == "sentinel":
             master, to_sentinel = _sentinel_parts(target, kwargs)
+            to_sentinel.setdefault("retry", AsyncRetry(NoBackoff(), 0))
             client = AsyncSentinel(list(target.sentinels), sentinel_kwargs=to_sentinel
                                    ).master_for(target.service, **master)
         elif target.mode == "cluster":  # connects on first use
