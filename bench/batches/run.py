@@ -1,17 +1,15 @@
 """`python -m bench.batches`: a batch job through the Batch API against the same lines
 through `python -m producer`, on one Redis and one worker process, in one run.
 
-Two figures:
-
-- overhead: N embeddings lines (docstring paragraphs of the stdlib), each path in turn
+- overhead: N embeddings lines (stdlib docstring paragraphs), each path in turn
   (`--repeats`, the order alternating): lines/s from submission to the last result (the
-  batch path: from POST /v1/batches to `completed`, the upload timed apart), and the peak
-  RSS of the gateway, the worker and the producer (sampled every 0.1 s). The ratio is the
-  median of the repeats' batch / producer rates.
-- latency beside a batch: single-text online calls to /v1/embeddings at Poisson times, at
-  half the rate the producer path sustained, for `--online-s` seconds, alone and then with
-  a batch of N lines running, `--latency-rounds` times; the p99 of each phase, the median
-  of the rounds' p99 ratios, and the lines the batch did meanwhile.
+  batch path: from POST /v1/batches to `completed`, the upload apart), peak RSS and CPU
+  seconds of gateway, worker and producer, the worker's batches; the median of the
+  repeats' batch / producer ratios.
+- latency beside a batch: single-text online calls at Poisson times, at `--load` times the
+  producer path's rate, for `--online-s` seconds, alone and then beside a batch of N lines,
+  `--latency-rounds` times: each phase's p99, the median of the rounds' p99 ratios, and
+  the lines the batch did meanwhile.
 
 Writes bench/results/batches/<machine>.json (with `--out`) and prints it.
 """
@@ -26,7 +24,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,67 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
+import redis
 
+from bench.batches.usage import PeakRss, batch_shape
 from bench.common.corpus import build_corpus
 from bench.common.load import poisson_offsets
 from bench.common.machine import describe_machine
 from bench.common.processes import REPO_ROOT, Workers, scrape
-from bench.common.stats import Samples, median, percentile
+from bench.common.stats import median, percentile
 from bench.gateway.compare import start_gateway
 from worker.streams.server import RedisServer
 
-
-class PeakRss:
-    """The largest RSS of some processes (and their children), sampled in a thread, and
-    the CPU seconds each used meanwhile (where the batch path's overhead goes)."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids, self.peak = pids, dict.fromkeys(pids, 0)
-        self.cpu = dict.fromkeys(pids, 0.0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.1):
-            for name, pid in self.pids.items():
-                try:
-                    root = psutil.Process(pid)
-                    family = [root, *root.children(True)]
-                    rss = sum(p.memory_info().rss for p in family)
-                    cpu = sum(sum(p.cpu_times()[:2]) for p in family)
-                except psutil.Error:
-                    continue
-                self.peak[name] = max(self.peak[name], rss)
-                self.cpu[name] = cpu
-
-    def __enter__(self) -> PeakRss:
-        self._sample_once()
-        self.started = dict(self.cpu)
-        self._thread.start()
-        return self
-
-    def _sample_once(self) -> None:
-        for name, pid in self.pids.items():
-            try:
-                root = psutil.Process(pid)
-                self.cpu[name] = sum(sum(p.cpu_times()[:2])
-                                     for p in [root, *root.children(True)])
-            except psutil.Error:
-                continue
-
-    def cpu_s(self) -> dict[str, float]:
-        """CPU seconds (user + system) each process used while sampled."""
-        return {name: round(self.cpu[name] - self.started.get(name, 0.0), 2)
-                for name in self.pids}
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample_once()
-
-    def mib(self) -> dict[str, float]:
-        return {name: round(rss / 2**20, 1) for name, rss in self.peak.items()}
+STREAM = "redbatch:requests:minilm"
 
 
 def batch_lines(texts: list[str]) -> bytes:
@@ -169,18 +117,29 @@ async def online(base_url: str, texts: list[str], rate: float, seconds: float
             "p99_ms": percentile(latencies, 99) * 1000}
 
 
-def latency_beside_a_batch(base_url: str, texts: list[str], rate: float, seconds: float,
-                           rounds: int) -> dict[str, Any]:
+def latency_beside_a_batch(redis_url: str, base_url: str, texts: list[str], rate: float,
+                           seconds: float, rounds: int) -> dict[str, Any]:
     """`rounds` pairs of online phases, alone then beside a new batch (cancelled after):
     paired phases side by side, so the machine's drift falls on both."""
-    pairs = [one_round(base_url, texts, rate, seconds) for _ in range(rounds)]
+    pairs = [one_round(redis_url, base_url, texts, rate, seconds) for _ in range(rounds)]
     ratios = [p["p99_ratio"] for p in pairs if p["p99_ratio"] is not None]
     return {"online_rate_per_s": rate, "rounds": pairs,
             "p99_ratio": median(ratios) if ratios else None,
             "batch_lines_per_s": median([p["batch_lines_per_s"] for p in pairs])}
 
 
-def one_round(base_url: str, texts: list[str], rate: float, seconds: float) -> dict[str, Any]:
+def drain(redis_url: str, timeout_s: float = 60.0) -> None:
+    """Until the model's stream holds no unacked entry (a cancelled batch's lines queued)."""
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+            g["pending"] + (g.get("lag") or 0) for g in client.xinfo_groups(STREAM)):
+        time.sleep(0.1)
+    client.close()
+
+
+def one_round(redis_url: str, base_url: str, texts: list[str], rate: float, seconds: float
+              ) -> dict[str, Any]:
     alone = asyncio.run(online(base_url, texts, rate, seconds))
     file_id = httpx.post(f"{base_url}/v1/files", data={"purpose": "batch"}, timeout=300,
                          files={"file": ("in.jsonl", io.BytesIO(batch_lines(texts)))}
@@ -192,23 +151,12 @@ def one_round(base_url: str, texts: list[str], rate: float, seconds: float) -> d
     batch = httpx.get(f"{base_url}/v1/batches/{batch_id}").json()
     httpx.post(f"{base_url}/v1/batches/{batch_id}/cancel")
     while httpx.get(f"{base_url}/v1/batches/{batch_id}").json()["status"] == "cancelling":
-        time.sleep(0.1)  # its lines still queued run out before the next round's alone phase
+        time.sleep(0.1)
+    drain(redis_url)  # its lines still queued run out before the next round's alone phase
     done = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
     return {"alone": alone, "beside_batch": beside,
             "p99_ratio": beside["p99_ms"] / alone["p99_ms"] if alone["p99_ms"] else None,
             "batch_lines_done_meanwhile": done, "batch_lines_per_s": done / seconds}
-
-
-def batch_shape(before: Samples, after: Samples) -> dict[str, float]:
-    """The worker's batches meanwhile: how many, their mean size and padding efficiency
-    (smaller or more padded batches are where a path's extra worker CPU goes)."""
-    def grown(name: str) -> float:
-        return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name)
-    batches, rows = grown("redbatch_batch_size_count"), grown("redbatch_batch_size_sum")
-    padded = grown("redbatch_padded_tokens_total")
-    return {"batches": batches, "mean_rows": rows / batches if batches else 0.0,
-            "padding_efficiency": grown("redbatch_real_tokens_total") / padded if padded
-            else 1.0}
 
 
 @contextmanager
@@ -254,7 +202,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ratios = [b["lines_per_s"] / p["lines_per_s"]
                   for b, p in zip(runs["batch_api"], runs["producer"], strict=True)]
         rate = median([r["lines_per_s"] for r in runs["producer"]]) * args.load
-        latency = latency_beside_a_batch(base_url, texts, rate, args.online_s,
+        latency = latency_beside_a_batch(redis_url, base_url, texts, rate, args.online_s,
                                          args.latency_rounds) if args.latency_rounds else None
     return {"machine": describe_machine(), "lines": args.lines, "runs": runs,
             "median_lines_per_s": {p: median([r["lines_per_s"] for r in rs])

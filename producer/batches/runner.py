@@ -44,6 +44,8 @@ KindOf = Callable[[str], Awaitable[tuple[bool, Kind | None]]]  # model -> (known
 
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
+    # at most half a CPU worker's max_inflight (512), so held-back lines never fill it: at
+    # 512 online calls waited in the stream behind them (p99 1-10 s, bench.batches)
     window: int = 256  # lines of one batch in flight at most
     max_backlog: int = 256  # admit only while the model's stream holds fewer unacked entries
     busy_backlog: int = 2  # the batch's own lines queued, while online requests are queued too
