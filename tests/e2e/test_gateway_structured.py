@@ -34,7 +34,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                               "b": {"type": "integer", "maximum": 99}},
              "required": ["a", "b"], "additionalProperties": False}}}]
 BIG = 16 << 20
-EXPLODING = ".*a.{40}"  # its lexer's states grow with each token: refused at compile
+# its lexer's states grow with each token: with SmolLM2's vocabulary refused at compile
+# (tests/models/test_constrained_generation.py); the tiny model's rarely spells it, so here
+# the probe may pass it and its answer is bounded by the lexer's state limit instead
+EXPLODING = ".*a.{40}"
 
 
 class City(BaseModel):
@@ -133,14 +136,13 @@ def hostile_bodies() -> list[bytes]:
     ({"structured_outputs": {"grammar": "start: (("}}, "structured_outputs"),  # the worker
     ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs"),  # worker
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),  # the worker
-    ({"structured_outputs": {"regex": EXPLODING}}, "structured_outputs"),  # its probe
     ({"tools": TOOLS}, "tool_choice"),  # "auto", the default: refused
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
-], ids=["type", "no-schema", "two-kinds", "lark", "schema", "regex", "explodes", "tools-default",
-        "auto", "unknown-tool", "bad-tool"])
+], ids=["type", "no-schema", "two-kinds", "lark", "schema", "regex", "tools-default", "auto",
+        "unknown-tool", "bad-tool"])
 def test_bad_grammars_are_400_naming_the_field(served: str, body: dict[str, Any],
                                                param: str) -> None:
     error = assert_openai_error(post(served, "chat/completions", {
@@ -170,7 +172,7 @@ def test_hostile_grammars_are_400_and_a_victim_beside_them_answers_promptly(
     client.completions.create(**victim)
     beside = time.perf_counter() - started
     attacker.join(60)
-    assert statuses == [400] * len(hostile)
+    assert statuses[:-1] == [400] * (len(hostile) - 1) and statuses[-1] in (200, 400)
     print(f"victim alone {alone:.2f} s, beside the hostile requests {beside:.2f} s")
     # nothing held the generate loop; the margin: gateway, worker and client share one GIL
     # here, and the gateway's loop decodes 16 MB of hostile JSON meanwhile (0.3 s for 10 MB)

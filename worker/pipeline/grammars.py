@@ -5,13 +5,13 @@ llguidance matcher on a small thread pool (llguidance releases the GIL while it 
 grammar), under llguidance's resource limits (LIMITS), and keeps the result by the
 constraint's text: the next request with the same schema copies the compiled matcher at
 once. A grammar llguidance refuses is kept too (its error), so a repeat is refused at once.
-llguidance builds its lexer lazily, so a regex that explodes ((a|b)*a(a|b){40}, .*a.{40})
-compiles at once and grows by states with every token; the compile thread therefore walks
-a probe matcher through PROBE_TOKENS seeded random tokens under PROBE_STATES lexer states
-(`explodes`) and refuses the grammar whose walk runs out (the real schemas and regexes of
-the tests stay under it). A matcher that still fails while generating (a `pattern` deep in
-a schema the walk missed) allows only EOS, and the loop ends that one sequence with an
-error (execution/grammar_mask.py `failures`).
+llguidance builds its lexer lazily, so a regex that explodes (.*a.{40}) compiles at once
+and grows by states with every token; the compile thread therefore walks a probe matcher
+through PROBE_TOKENS seeded random tokens under PROBE_STATES lexer states (`explodes`) and
+refuses the grammar whose walk runs out. A matcher that still fails while generating (one
+that grows slowly, as (a|b)*a(a|b){40} at ~10 states a token, or a `pattern` deep in a
+schema the walk missed) allows only EOS at MAX_LEXER_STATES, and the loop ends that one
+sequence with an error (execution/grammar_mask.py `failures`).
 
 `GrammarGate` holds a request whose grammar is still compiling, so the loop keeps stepping
 the others; the loop takes it back (`ready`) once its compile is done or over
@@ -44,7 +44,9 @@ ERROR_CHARS = 300
 HELD = object()  # GrammarGate.take: the request waits for its grammar
 MAX_LEXER_STATES = 50_000  # a matcher's (1-2 kB each); past them it fails, allowing EOS only
 PROBE_TOKENS = 512  # the random walk's length through a new grammar (tokens, in all)
-PROBE_STATES = 1_000  # lexer states that walk may build: an exploding regex builds more
+# lexer states that walk may build: .*a.{40} needs them in 74 tokens, the schema of
+# bench/generative/constrained.py (strings of maxLength 160) 1,000-2,000 in all
+PROBE_STATES = 10_000
 
 
 def parser_limits(lexer_states: int = MAX_LEXER_STATES) -> Any:
