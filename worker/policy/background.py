@@ -51,7 +51,9 @@ class BackgroundPacing:
 
     def finished(self, background: int, rows: int, compute_ms: float, now_ms: int) -> None:
         """A batch of `rows` rows, `background` of them background ones, computed for
-        `compute_ms` and done at `now_ms`: their part of it is paid for in rest."""
-        if background and rows and self.share < 1.0:
+        `compute_ms` and done at `now_ms`: their part of it is paid for in rest, only while
+        online requests arrive (a batch job run alone must leave no debt for the first
+        online call to find: a minute of it once held a new batch back for a minute)."""
+        if background and rows and self.share < 1.0 and self.online_recent(now_ms):
             spent = compute_ms * background / rows
             self.resume_ms = max(self.resume_ms, now_ms) + spent * (1.0 / self.share - 1.0)

@@ -132,3 +132,16 @@ def test_background_rows_beside_online_ones_are_paid_for_too() -> None:
     b.add(pending(22, 0, at_ms=1_050))
     riding = b.next_batch(1.0, 1_050)
     assert riding is not None and [p.request.priority for p in riding.members] == [0, -1, -1]
+
+
+def test_background_batches_while_online_is_quiet_leave_no_rest_to_pay_later() -> None:
+    b = paced(0.25)
+    for n in range(16):
+        b.add(pending(n, -1, at_ms=1_000))
+    alone = b.next_batch(1.0, 1_000)  # no online request yet: a full batch
+    assert alone is not None and len(alone.members) == 16
+    b.finished(alone, 60_000.0, 61_000)  # a minute of background alone
+    b.add(pending(30, 0, at_ms=61_100))
+    b.add(pending(31, -1, at_ms=61_100))
+    batch = b.next_batch(1.0, 61_100)
+    assert batch is not None and [p.request.priority for p in batch.members] == [0, -1]
