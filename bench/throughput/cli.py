@@ -63,6 +63,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "unit": "tokens" if model == "minilm" else "bytes", "lengths": lengths,
             "length_percentiles": percentiles(lengths, (0, 25, 50, 75, 90, 99, 100)),
         }
+        results["dtype"] = f"{bench.model.dtype}".removeprefix("torch.") + \
+            f" ({bench.model.dtype_reason})"
         best = results["offline_configs"] = bench.best_offline()
         batch_size, layout = best["batch_size"], Layout(best["instances"], best["torch_threads"])
         with ExitStack() as stack:

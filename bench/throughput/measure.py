@@ -22,7 +22,8 @@ from bench.common.stats import Samples, histogram, median, percentiles
 from bench.throughput.plan import Plan
 from producer import protocol
 from worker.commands.run import freeze_heap
-from worker.execution.executor import Executor, resolve_device
+from worker.execution.executor import Executor, device_precision, resolve_device
+from worker.model_loading import set_precision
 from worker.models import Model, Prepared, create_model
 
 log = structlog.get_logger("redbatch.bench")
@@ -102,7 +103,9 @@ class Benchmark:
         self.payloads = [protocol.encode({"text": t}, protocol.MSGPACK) for t in self.texts]
         self.model_settings = {"model": model, "model_options": model_options}
         self.model = create_model(model, model_options)
-        self.model.load(resolve_device("cpu"))
+        cpu = resolve_device("cpu")  # in the dtype a default worker picks (auto), as they run
+        set_precision(self.model, device_precision("auto", cpu, self.model.generative))
+        self.model.load(cpu)
         freeze_heap()  # as the workers do: the offline limit must not pay for collections they skip
 
     # --- (1)-(3): the corpus at saturation ---------------------------------------------------

@@ -159,6 +159,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"- Python {machine['python']}, torch {machine['torch']} "
         f"(default {machine['torch_threads']} threads), "
         f"{machine['redis_server'].split(' sha=')[0]} (embedded, AOF off)",
+        f"- the model in {results.get('dtype', 'float32')}, offline and in the workers",
         f"- load average at start {machine['load_average']}, at end "
         f"{results['load_average_end']}" + (" — **shared, loaded machine: figures are noisy**"
                                            if max(machine["load_average"][0],
