@@ -95,9 +95,7 @@ class Benchmark:
 
     def __init__(self, plan: Plan, redis_url: str, texts: Sequence[str], model: str,
                  model_options: dict[str, Any], log_dir: Path) -> None:
-        self.plan = plan
-        self.log_dir = log_dir
-        self.redis_url = redis_url
+        self.plan, self.log_dir, self.redis_url = plan, log_dir, redis_url
         self.client = redis.Redis.from_url(redis_url)
         self.texts = list(texts)
         self.payloads = [protocol.encode({"text": t}, protocol.MSGPACK) for t in self.texts]

@@ -27,7 +27,8 @@ from typing import Any
 from producer import connection, protocol
 from producer.async_client import AsyncClient
 from producer.batches import keys, objects, upload
-from producer.batches.runner import Runner, RunnerConfig, holder_name
+from producer.batches.keys import holder_name
+from producer.batches.runner import Runner, RunnerConfig
 from producer.batches.store import READ_WINDOW, BatchStore
 from producer.gateway.discovery import Discovery, ModelState
 from producer.gateway.events import configure_logging

@@ -9,8 +9,11 @@ file's keys share `{<file id>}`; a batch's output and error files live in the ba
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import secrets
+import socket
+import uuid
 
 OUTPUT_FILE = re.compile(r"file-(batch_[0-9a-f]{24})-(output|errors)")
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
@@ -18,6 +21,11 @@ FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 
 def new_file_id() -> str:
     return f"file-{secrets.token_hex(12)}"
+
+
+def holder_name(role: str) -> str:
+    """A batch runner's lease holder: unique, and saying which process holds a batch."""
+    return f"{role}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def new_batch_id() -> str:
@@ -57,6 +65,7 @@ class BatchKeys:
         self.flight = f"{base}:flight"  # line -> attempt, for lines admitted, not answered
         self.deferred = f"{base}:deferred"  # line -> when to admit it again (overloaded)
         self.parts = f"{base}:parts"  # request id -> envelope, of lines of several requests
+        self.order = f"{base}:order"  # the line numbers in admission order (uint32 LE each)
         self.output = f"{base}:output"
         self.errors = f"{base}:errors"
         self.lease = f"{base}:lease"
@@ -66,7 +75,8 @@ class BatchKeys:
 
     def all(self) -> list[str]:
         return [self.meta, self.done, self.flight, self.deferred, self.parts, self.output,
-                self.errors, self.lease, self.reply, self.output_meta, self.errors_meta]
+                self.errors, self.lease, self.reply, self.output_meta, self.errors_meta,
+                self.order]
 
 
 def file_index(namespace: str, owner: str) -> str:

@@ -20,12 +20,14 @@ return 0
 """
 
 START = """
--- KEYS[1] meta; ARGV[1] status (in_progress or failed), ARGV[2] now s, ARGV[3] total,
--- ARGV[4] errors JSON, ARGV[5] model. Only a validating batch moves on.
+-- KEYS[1] meta, KEYS[2] order; ARGV[1] status (in_progress or failed), ARGV[2] now s,
+-- ARGV[3] total, ARGV[4] errors JSON, ARGV[5] model, ARGV[6] the admission order (line
+-- numbers as uint32 LE, shortest first). Only a validating batch moves on.
 if redis.call('HGET', KEYS[1], 'status') ~= 'validating' then return 0 end
 local stamp = ARGV[1] == 'failed' and 'failed_at' or 'in_progress_at'
 redis.call('HSET', KEYS[1], 'status', ARGV[1], stamp, ARGV[2], 'total', ARGV[3],
            'errors', ARGV[4], 'model', ARGV[5])
+if ARGV[6] ~= '' then redis.call('SET', KEYS[2], ARGV[6]) end
 return 1
 """
 
@@ -108,7 +110,7 @@ return settled
 """
 
 FINISH = """
--- KEYS meta, done, flight, deferred, parts, output, errors, output file, errors file.
+-- KEYS meta, done, flight, deferred, parts, output, errors, output file, errors file, order.
 -- ARGV[1] final status, ARGV[2] now s, ARGV[3] 1 when this call ends the batch, then
 -- (line, error line) pairs for the lines never answered (expired, cancelled).
 local meta, done = KEYS[1], KEYS[2]
@@ -139,6 +141,6 @@ for k, kind in ipairs({'output', 'errors'}) do
   end
 end
 redis.call('HSET', meta, unpack(fields))
-redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[10])
 return 1
 """

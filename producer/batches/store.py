@@ -9,6 +9,7 @@ never an index entry without its object being skipped (listing drops such entrie
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -157,9 +158,21 @@ class BatchStore:
                                       args=[holder, ms, due_ms]))
 
     async def start(self, batch_id: str, status: str, now_s: int, total: int, errors: str,
-                    model: str) -> None:
-        await self._start(keys=[self.keys(batch_id).meta],
-                          args=[status, now_s, total, errors, model])
+                    model: str, order: Sequence[int] = ()) -> None:
+        """Validated: in progress (its lines admitted in `order`) or failed."""
+        k = self.keys(batch_id)
+        packed = array("I", order).tobytes() if order else b""
+        await self._start(keys=[k.meta, k.order],
+                          args=[status, now_s, total, errors, model, packed])
+
+    async def ordered(self, batch_id: str, start: int, count: int) -> list[int]:
+        """The line numbers at positions start.. of the admission order (the positions
+        themselves for a batch without one)."""
+        packed = await self.redis.getrange(self.keys(batch_id).order, start * 4,
+                                           (start + count) * 4 - 1) if count > 0 else b""
+        if not packed:
+            return list(range(start, start + max(count, 0)))
+        return array("I", packed).tolist()
 
     async def progress(self, batch_id: str, replies: int, now_ms: int, due: int
                        ) -> tuple[list[bytes], bytes, int, list[int], int]:
@@ -223,4 +236,4 @@ class BatchStore:
         k = self.keys(batch_id)
         args: list[Any] = [status, now_s, int(final), *(v for pair in unanswered for v in pair)]
         await self._finish(keys=[k.meta, k.done, k.flight, k.deferred, k.parts, k.output,
-                                 k.errors, k.output_meta, k.errors_meta], args=args)
+                                 k.errors, k.output_meta, k.errors_meta, k.order], args=args)

@@ -29,7 +29,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from producer.batches import keys as batch_keys
-from producer.batches.runner import Runner, RunnerConfig, holder_name
+from producer.batches.keys import holder_name
+from producer.batches.runner import Runner, RunnerConfig
 from producer.batches.store import BatchStore
 from producer.gateway import batches, errors, events, files, metrics, pools
 from producer.gateway.choices import chat_completions, completions

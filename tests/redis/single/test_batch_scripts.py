@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 
 import redis
 import redis.asyncio as aioredis
@@ -32,13 +33,15 @@ def test_a_line_is_answered_once_and_the_batch_finishes_with_its_files(r: redis.
     assert r.zrange(k.deferred, 0, -1, withscores=True) == [(b"1", 5.0), (b"2", 99_999.0)]
     assert settle(keys=settle_keys, args=[0, 1, 0, 1, b"again", 0, 0, 0]) == 0
     finish_keys = [k.meta, k.done, k.flight, k.deferred, k.parts, k.output, k.errors,
-                   k.output_meta, k.errors_meta]
+                   k.output_meta, k.errors_meta, k.order]
+    r.set(k.order, b"\0" * 12)
     assert finish(keys=finish_keys, args=["expired", 9, 1, 1, b"e1", 2, b"e2", 0, b"x"]) == 1
     meta = r.hgetall(k.meta)
     assert meta[b"status"] == b"expired" and meta[b"failed"] == b"2"
     assert meta[b"completed"] == b"1" and meta[b"output_file_id"].endswith(b"-output")
     assert r.lrange(k.errors, 0, -1) == [b"e1", b"e2"]
-    assert r.hget(k.errors_meta, "bytes") == b"6" and not r.exists(k.flight, k.deferred)
+    assert r.hget(k.errors_meta, "bytes") == b"6"
+    assert not r.exists(k.flight, k.deferred, k.order)
     assert admit(keys=[k.meta, k.done, k.flight, k.deferred], args=[4, 0, 3, 0]) == -1
 
 
@@ -77,11 +80,14 @@ def test_create_refuses_a_second_batch_of_the_same_id(r: redis.Redis) -> None:
 
 
 def test_cancel_and_start_move_only_from_their_states(r: redis.Redis) -> None:
-    meta = keys.BatchKeys("redbatch", keys.new_batch_id()).meta
+    k = keys.BatchKeys("redbatch", keys.new_batch_id())
+    meta = k.meta
     r.hset(meta, "status", "validating")
     start, cancel = r.register_script(scripts.START), r.register_script(scripts.CANCEL)
-    assert start(keys=[meta], args=["in_progress", 5, 10, "", "minilm"]) == 1
-    assert start(keys=[meta], args=["failed", 6, 10, "", "minilm"]) == 0
+    order = array("I", [2, 0, 1]).tobytes()
+    assert start(keys=[meta, k.order], args=["in_progress", 5, 3, "", "minilm", order]) == 1
+    assert start(keys=[meta, k.order], args=["failed", 6, 3, "", "minilm", b""]) == 0
+    assert r.get(k.order) == order
     assert cancel(keys=[meta], args=[7]) == b"cancelling"
     assert cancel(keys=[meta], args=[8]) == b"cancelling"
     assert r.hget(meta, "cancelling_at") == b"7"
@@ -124,3 +130,22 @@ def test_an_upload_broken_off_expires_and_a_published_one_is_kept(r: redis.Redis
     assert 0 < r.pttl(keys.file_keys("redbatch", broken)[1]) <= UPLOAD_TTL_MS
     assert r.pttl(keys.file_keys("redbatch", published)[1]) == -1
     assert r.hlen(keys.file_keys("redbatch", published)[1]) == 2
+
+
+def test_lines_are_admitted_in_the_stored_order_or_the_files(r: redis.Redis,
+                                                             redis_url: str) -> None:
+    """Shortest first where validation stored an order; file order for a batch without one
+    (one started before orders were stored)."""
+    async def read() -> tuple[list[int], list[int], list[int]]:
+        client = aioredis.Redis.from_url(redis_url)
+        store = BatchStore(client, "redbatch")
+        k = store.keys("batch_ordered")
+        await client.hset(k.meta, "status", "validating")
+        await store.start("batch_ordered", "in_progress", 1, 4, "", "m", [3, 1, 0, 2])
+        found = (await store.ordered("batch_ordered", 1, 2),
+                 await store.ordered("batch_ordered", 3, 5),
+                 await store.ordered("batch_plain", 2, 3))
+        await client.aclose()
+        return found
+
+    assert asyncio.run(read()) == ([1, 0], [2], [2, 3, 4])
