@@ -215,6 +215,7 @@ def plain_redis_batch(r: redis.RedisCluster, count: int) -> str:
     return batch_id
 
 
+@pytest.mark.usefixtures("fresh_logs")  # the CLI logs to the captured stderr: restored after
 def test_plain_redis_batch_and_the_cli_on_a_cluster(
         rig: ClusterRig, encoder: dict[str, Any], tmp_path: Path,
         capsysbinary: pytest.CaptureFixture[bytes]) -> None:
