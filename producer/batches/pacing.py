@@ -1,4 +1,5 @@
-"""How many lines of a batch may be in flight: additive increase, multiplicative decrease.
+"""How many lines of a batch may be in flight (additive increase, multiplicative decrease),
+and how soon the runner looks at a batch again.
 Pure.
 
 Why: a worker shedding over its latency target refuses batch lines at read time; sending
@@ -8,6 +9,8 @@ so a batch settles at what the workers take beside the online load.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 
 class Pacing:
@@ -34,3 +37,10 @@ def backlog_room(max_backlog: int, busy_backlog: int, backlog: int, queued: int)
     if online > 0:
         return min(busy_backlog - queued, max_backlog - backlog)
     return max_backlog - backlog
+
+
+class Moved(IntEnum):
+    """What a step of a batch did, which sets how soon the runner looks again."""
+    IDLE = 0  # nothing in flight: nothing can move before the next poll
+    WAITING = 1  # lines in flight, none answered yet: their replies come within a batch
+    MOVED = 2  # lines settled or admitted: the next replies are already due

@@ -25,7 +25,7 @@ import structlog
 
 from producer.async_client import AsyncClient
 from producer.batches import keys, lines, objects
-from producer.batches.pacing import Pacing, backlog_room
+from producer.batches.pacing import Moved, Pacing, backlog_room
 from producer.batches.settling import Settlement, answered_bit, envelopes_of, settle
 from producer.batches.store import READ_WINDOW, BatchStore
 from producer.errors import Overloaded
@@ -49,7 +49,10 @@ class RunnerConfig:
     lease_s: float = 15.0
     flight_timeout_s: float = 900.0  # a line admitted this long ago, unanswered, goes again
     takeover_s: float = 30.0  # lines in flight when a batch is taken over go again this soon
-    poll_s: float = 0.2  # between rounds that moved nothing
+    poll_s: float = 0.2  # between rounds with nothing in flight
+    # with lines in flight: at 0.2 s the workers finished a window and idled until the
+    # next round (25 % of the run, bench.batches); a round costs 4 round trips
+    flight_poll_s: float = 0.02
     busy_poll_s: float = 0.005  # between rounds that settled or admitted lines
     max_lines: int = 50_000
     max_line_bytes: int = 4 << 20
@@ -67,53 +70,52 @@ class Runner:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Step the batches until `stop`; a failure is logged, the batch tried next round."""
+        cfg = self.config
+        waits = {Moved.IDLE: cfg.poll_s, Moved.WAITING: cfg.flight_poll_s,
+                 Moved.MOVED: cfg.busy_poll_s}
         while not stop.is_set():
-            moved = False
+            moved = Moved.IDLE
             try:
                 moved = await self.round()
             except Exception as exc:  # Redis down, a bug: the runner must outlive it
                 log.warning("batch_runner_failed", error=f"{type(exc).__name__}: {exc}")
-            # a round that moved lines goes again soon: the next replies are already due,
-            # and a fixed poll would cap a batch at max_backlog lines a poll
-            wait_s = self.config.busy_poll_s if moved else self.config.poll_s
-            try:
-                await asyncio.wait_for(stop.wait(), wait_s)
+            try:  # a fixed poll would cap a batch at max_backlog lines a poll
+                await asyncio.wait_for(stop.wait(), waits[moved])
             except TimeoutError:
                 pass
 
-    async def round(self) -> bool:
-        """Step every batch this runner holds; whether any settled or admitted lines."""
-        lease_ms, moved = int(self.config.lease_s * 1000), False
+    async def round(self) -> Moved:
+        """Step every batch this runner holds; the most any of them moved."""
+        lease_ms, moved = int(self.config.lease_s * 1000), Moved.IDLE
         takeover_ms = int((time.time() + self.config.takeover_s) * 1000)
         for batch_id, listed_ms in await self.store.active():
             try:
                 if await self.store.lease(batch_id, self.holder, lease_ms, takeover_ms):
-                    moved = await self.step(batch_id, listed_ms) or moved
+                    moved = max(moved, await self.step(batch_id, listed_ms))
             except Exception as exc:  # one batch's fault must not stall the others
                 log.warning("batch_step_failed", batch=batch_id,
                             error=f"{type(exc).__name__}: {exc}")
         return moved
 
-    async def step(self, batch_id: str, listed_ms: int = 0) -> bool:
-        """One move of the batch: validate it, or settle and admit, or finish it; whether
-        lines were settled or admitted."""
+    async def step(self, batch_id: str, listed_ms: int = 0) -> Moved:
+        """One move of the batch: validate it, or settle and admit, or finish it."""
         meta = await self.store.batch_meta(batch_id)
         status = objects.text(meta, "status")
         if status is None and time.time() * 1000 - listed_ms < STALE_MS:
-            return False  # listed, its hash not written yet: a create under way
+            return Moved.IDLE  # listed, its hash not written yet: a create under way
         if status is None or status in objects.FINAL:
             self.forget(batch_id)
             await self.store.retire(batch_id)
         elif status == objects.VALIDATING:
             await self.validate(batch_id, meta)
-            return True
+            return Moved.MOVED
         elif status == objects.CANCELLING:
             await self.close(batch_id, meta, objects.CANCELLED, lines.CANCELLED)
         elif time.time() >= (objects.integer(meta, "expires_at") or 0):
             await self.close(batch_id, meta, objects.EXPIRED, lines.EXPIRED)
         else:
             return await self.advance(batch_id, meta)
-        return False
+        return Moved.IDLE
 
     def forget(self, batch_id: str) -> None:
         if self.rates.pop(batch_id, None) is not None:
@@ -167,9 +169,8 @@ class Runner:
                                   f"model, which {endpoint} does not serve", "body.model")]
         return []
 
-    async def advance(self, batch_id: str, meta: dict[bytes, bytes]) -> bool:
-        """Settle the replies in hand, finish if every line is answered, else admit;
-        whether lines were settled or admitted."""
+    async def advance(self, batch_id: str, meta: dict[bytes, bytes]) -> Moved:
+        """Settle the replies in hand, finish if every line is answered, else admit."""
         cfg, now_ms = self.config, int(time.time() * 1000)
         replies, done, flying, due, waiting = await self.store.progress(
             batch_id, cfg.window * 4, now_ms, cfg.window)
@@ -182,10 +183,11 @@ class Runner:
         if answered >= total:
             await self.store.finish(batch_id, objects.COMPLETED, int(now_ms / 1000), True, [])
             log.info("batch_completed", batch=batch_id, lines=total)
-            return True
+            return Moved.MOVED
         # in the model's stream or being computed: in flight, no reply yet, not due again
         queued = flying - waiting - len(due)
-        return await self.admit(batch_id, meta, flying - len(due), due, queued) > 0 or bool(replies)
+        admitted = await self.admit(batch_id, meta, flying - len(due), due, queued)
+        return Moved.MOVED if admitted or replies else Moved.WAITING if queued else Moved.IDLE
 
     async def settle_replies(self, batch_id: str, meta: dict[bytes, bytes],
                              replies: list[bytes], done: bytes) -> int:

@@ -10,6 +10,7 @@ import redis
 import redis.asyncio as aioredis
 
 from producer.batches import keys, scripts
+from producer.batches.pacing import Moved
 from producer.batches.runner import STALE_MS, Runner, RunnerConfig
 from producer.batches.store import UPLOAD_TTL_MS, BatchStore
 
@@ -149,3 +150,31 @@ def test_lines_are_admitted_in_the_stored_order_or_the_files(r: redis.Redis,
         return found
 
     assert asyncio.run(read()) == ([1, 0], [2], [2, 3, 4])
+
+
+def test_a_runner_with_lines_in_flight_looks_again_soon(r: redis.Redis, redis_url: str) -> None:
+    """Lines queued and no reply yet: the round says WAITING (polled at flight_poll_s), not
+    IDLE (poll_s, 0.2 s, by which time the workers had finished the window and idled)."""
+    batch = keys.new_batch_id()
+    k = keys.BatchKeys("redbatch", batch)
+    r.hset(k.meta, mapping={"id": batch, "owner": "public", "status": "in_progress",
+                            "model": "m", "total": 4, "cursor": 4, "created_at": 1,
+                            "expires_at": int(time.time()) + 3600})
+    r.zadd(keys.active_batches("redbatch"), {batch: int(time.time() * 1000)})
+
+    class Group:  # the runner reads only the consumer group's name before it finds no room
+        group = "redbatch"
+
+    async def rounds() -> list[Moved]:
+        client = aioredis.Redis.from_url(redis_url)
+        runner = Runner(BatchStore(client, "redbatch"), lambda model: Group(),  # type: ignore[arg-type, return-value]
+                        None, RunnerConfig(window=2), "test")  # type: ignore[arg-type]
+        found = [await runner.round()]
+        r.hset(k.flight, mapping={0: 1, 1: 1})  # lines 0 and 1 admitted, in the stream
+        r.zadd(k.deferred, {"0": 2**50, "1": 2**50})  # due again far later
+        found.append(await runner.round())
+        await client.aclose()
+        return found
+
+    idle, waiting = asyncio.run(rounds())
+    assert (idle, waiting) == (Moved.IDLE, Moved.WAITING)
