@@ -7,9 +7,9 @@ through `python -m producer`, on one Redis and one worker process, in one run.
   seconds of gateway, worker and producer, the worker's batches; the median of the
   repeats' batch / producer ratios.
 - latency beside a batch: single-text online calls at Poisson times, at `--load` times the
-  producer path's rate, for `--online-s` seconds, alone and then beside a batch of N lines,
-  `--latency-rounds` times: each phase's p99, the median of the rounds' p99 ratios, and
-  the lines the batch did meanwhile.
+  online path's capacity (32 callers back to back for 5 s), for `--online-s` seconds,
+  alone and then beside a batch of N lines, `--latency-rounds` times: each phase's p99,
+  the median of the rounds' p99 ratios, and the lines the batch did meanwhile.
 
 Writes bench/results/batches/<machine>.json (with `--out`) and prints it.
 """
@@ -119,6 +119,27 @@ async def online(base_url: str, texts: list[str], rate: float, seconds: float
             "p99_ms": percentile(latencies, 99) * 1000}
 
 
+async def online_capacity(base_url: str, texts: list[str], seconds: float = 5.0,
+                          clients: int = 32) -> float:
+    """Single-text calls/s the gateway and worker answer at saturation (`clients` calling
+    back to back): the online path's capacity, which the online load is a fraction of (a
+    call costs the gateway more than a producer's line, so the producer's rate overstates it)."""
+    answered = 0
+    async with httpx.AsyncClient(base_url=base_url, timeout=60,
+                                 limits=httpx.Limits(max_connections=clients)) as client:
+        async def caller(index: int, until: float) -> None:
+            nonlocal answered
+            while time.perf_counter() < until:
+                answer = await client.post("/v1/embeddings", json={
+                    "model": "minilm", "input": texts[index % len(texts)]})
+                answered += answer.status_code == 200
+                index += clients
+
+        until = time.perf_counter() + seconds
+        await asyncio.gather(*(caller(i, until) for i in range(clients)))
+    return answered / seconds
+
+
 def latency_beside_a_batch(redis_url: str, base_url: str, texts: list[str], rate: float,
                            seconds: float, rounds: int) -> dict[str, Any]:
     """`rounds` pairs of online phases, alone then beside a new batch (cancelled after):
@@ -205,13 +226,15 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 runs[path].append({**run, "worker_batches": batch_shape(before, scrape(ports))})
         ratios = [b["lines_per_s"] / p["lines_per_s"]
                   for b, p in zip(runs["batch_api"], runs["producer"], strict=True)]
-        rate = median([r["lines_per_s"] for r in runs["producer"]]) * args.load
+        capacity = asyncio.run(online_capacity(base_url, texts, args.capacity_s))
+        rate = capacity * args.load
         latency = latency_beside_a_batch(redis_url, base_url, texts, rate, args.online_s,
                                          args.latency_rounds) if args.latency_rounds else None
     return {"machine": describe_machine(), "lines": args.lines, "runs": runs,
             "median_lines_per_s": {p: median([r["lines_per_s"] for r in rs])
                                    for p, rs in runs.items()},
-            "batch_over_producer": median(ratios), "ratios": ratios, "latency": latency,
+            "batch_over_producer": median(ratios), "ratios": ratios,
+            "online_capacity_per_s": capacity, "latency": latency,
             "separate_runner": args.separate_runner,
             "command": " ".join(["python -m bench.batches", *sys.argv[1:]])}
 
@@ -223,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--online-s", type=float, default=20.0)
     parser.add_argument("--load", type=float, default=0.5, help="online rate / capacity")
+    parser.add_argument("--capacity-s", type=float, default=5.0, help=(
+        "seconds of saturation that measure the online path's capacity"))
     parser.add_argument("--latency-rounds", type=int, default=2, help=(
         "pairs of online phases, alone then beside a batch (0: throughput only)"))
     parser.add_argument("--separate-runner", action="store_true", help=(

@@ -281,8 +281,9 @@ class Runner:
 
     async def close(self, batch_id: str, meta: dict[bytes, bytes], status: str,
                     why: tuple[str, str]) -> None:
-        """Cancelled or expired: every line not answered gets its error line, in windows,
-        then the batch is final with its files (the answered lines kept)."""
+        """Cancelled or expired: generations in flight are stopped, every line not answered
+        gets its error line, in windows, then the batch is final (answered lines kept)."""
+        await self.store.stop_in_flight(batch_id, int(self.config.flight_timeout_s * 1000))
         done = await self.store.done(batch_id)
         total = objects.integer(meta, "total") or 0
         file_id = objects.text(meta, "input_file_id") or ""

@@ -193,6 +193,18 @@ class BatchStore:
         """The bitmap of the lines answered."""
         return bytes(await self.redis.get(self.keys(batch_id).done) or b"")
 
+    async def stop_in_flight(self, batch_id: str, ttl_ms: int) -> int:
+        """Set the cancel key of each line in flight, so that a generation the workers hold
+        ends within two steps (docs/protocol.md, Cancel); how many. Two calls: on a cluster
+        the cancel keys lie in other slots than the batch's."""
+        flight = await self.redis.hgetall(self.keys(batch_id).flight)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for line, attempt in flight.items():
+                rid = keys.request_id(batch_id, int(line), int(attempt), 0)
+                pipe.set(protocol.cancel_key(self.namespace, rid), 1, px=ttl_ms)
+            await pipe.execute()
+        return len(flight)
+
     async def attempts(self, batch_id: str, lines: Sequence[int]) -> list[int]:
         """The last attempt of each line (0: never admitted)."""
         if not lines:

@@ -18,7 +18,8 @@ def test_the_batch_benchmark_runs_both_paths_and_the_latency_beside_a_batch(tmp_
                                                                             ) -> None:
     out = tmp_path / "report.json"
     subprocess.run([sys.executable, "-m", "bench.batches", "--lines", "40", "--repeats", "1",
-                    "--online-s", "1", "--latency-rounds", "1", "--out", str(out)],
+                    "--online-s", "1", "--capacity-s", "1", "--latency-rounds", "1",
+                    "--out", str(out)],
                    cwd=REPO_ROOT, check=True, timeout=240, capture_output=True,
                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
     report = json.loads(out.read_text())
@@ -29,5 +30,5 @@ def test_the_batch_benchmark_runs_both_paths_and_the_latency_beside_a_batch(tmp_
     (latency,) = report["latency"]["rounds"]
     assert latency["alone"]["failed"] == 0 and latency["beside_batch"]["failed"] == 0
     assert latency["alone"]["p99_ms"] > 0 and latency["beside_batch"]["calls"] > 0
-    assert report["latency"]["p99_ratio"] is not None
+    assert report["latency"]["p99_ratio"] is not None and report["online_capacity_per_s"] > 0
     assert "cpu" in json.dumps(report["machine"]).lower()

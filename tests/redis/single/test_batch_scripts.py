@@ -178,3 +178,29 @@ def test_a_runner_with_lines_in_flight_looks_again_soon(r: redis.Redis, redis_ur
 
     idle, waiting = asyncio.run(rounds())
     assert (idle, waiting) == (Moved.IDLE, Moved.WAITING)
+
+
+def test_a_cancelled_batch_stops_the_generations_it_has_in_flight(r: redis.Redis,
+                                                                  redis_url: str) -> None:
+    """Its lines in flight get their cancel keys (a worker ends such a generation within two
+    steps, docs/protocol.md), then every line unanswered its `batch_cancelled` error line."""
+    batch, file_id = keys.new_batch_id(), "file-cancelled-lines"
+    k = keys.BatchKeys("redbatch", batch)
+    r.hset(k.meta, mapping={"id": batch, "owner": "public", "status": "cancelling",
+                            "model": "m", "total": 3, "cursor": 2, "created_at": 1,
+                            "input_file_id": file_id, "expires_at": int(time.time()) + 60})
+    r.hset(k.flight, mapping={0: 1, 1: 2})  # line 1 on its second attempt
+    r.zadd(keys.active_batches("redbatch"), {batch: int(time.time() * 1000)})
+
+    async def one_round() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        store = BatchStore(client, "redbatch")
+        await store.save_lines(file_id, 0, [b'{"custom_id": "c%d"}' % n for n in range(3)])
+        await Runner(store, lambda model: None, None, RunnerConfig(), "test").round()  # type: ignore[arg-type]
+        await client.aclose()
+
+    asyncio.run(one_round())
+    stopped = [f"redbatch:cancel:{keys.request_id(batch, 0, 1, 0)}",
+               f"redbatch:cancel:{keys.request_id(batch, 1, 2, 0)}"]
+    assert r.exists(*stopped) == 2 and all(r.pttl(key) > 0 for key in stopped)
+    assert r.hget(k.meta, "status") == b"cancelled" and r.hget(k.meta, "failed") == b"3"
