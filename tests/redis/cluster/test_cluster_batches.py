@@ -1,6 +1,7 @@
 """Batch jobs on a real Redis Cluster (tests/rigs/cluster.py, 3 masters + 3 replicas): a
 gateway process (`python -m producer serve --redis-cluster true`) runs a 300-line embeddings
-batch to `completed` and a second one cancelled mid-way, through the official `openai`
+batch to `completed` (and an online embeddings call beside it) and a second one cancelled
+mid-way (its lines in flight get cancel keys across slots), through the official `openai`
 client; a batch created with the plain-Redis commands of docs/protocol.md is run by `python
 -m producer batches --redis-cluster`; `python -m producer batch run --redis-cluster` runs a
 file end to end. Every line is answered exactly once, and a batch's keys share one slot.
@@ -158,6 +159,8 @@ def test_batches_through_a_gateway_on_a_cluster(rig: ClusterRig, encoder: dict[s
         assert all(o["response"]["status_code"] == 200 for o in output)
         assert done.error_file_id is None and client.batches.list().data[0].id == done.id
         one_slot(done.id)
+        online = client.embeddings.create(model=MODEL, input=["online", "beside batches"])
+        assert [e.index for e in online.data] == [0, 1]  # the online route on a cluster too
         assert client.files.list().data[0].id == done.input_file_id
         assert client.files.delete(done.input_file_id).deleted
         assert done.input_file_id not in [f.id for f in client.files.list()]
