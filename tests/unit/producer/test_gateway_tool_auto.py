@@ -169,60 +169,6 @@ def test_a_batch_line_gets_the_same_auto_grammar_and_answers() -> None:
     assert text["finish_reason"] == "length" and text["message"]["content"] == "hello"
 
 
-class Replies:
-    """Generations' part StreamReply uses: the reply stream's entries given all at once."""
-
-    namespace, timeout_s = "redbatch", 30.0
-
-    def __init__(self) -> None:
-        self.redis = self
-
-    async def read(self, *_: Any) -> list[Any]:
-        return []
-
-    async def delete(self, *_: Any) -> None:
-        return None
-
-    async def cancel(self, _: str) -> None:
-        return None
-
-
-def streamed(texts: list[str], reason: str = "stop") -> list[dict[str, Any]]:
-    """The chunks StreamReply sends for an "auto" answer of these deltas."""
-    import asyncio
-
-    from producer.gateway.generation import StreamReply
-
-    entries = [(f"{i}-0", {"type": "delta", "text": t}) for i, t in enumerate(texts)]
-    entries.append(("9-0", {"type": "done", "ok": True, "result": {
-        "text": "".join(texts), "finish_reason": reason, "tokens": len(texts)}}))
-    reply = StreamReply(Replies(), parse_chat_request({**CHAT, "stream": True}),  # type: ignore[arg-type]
-                        "r1")
-
-    async def events() -> list[bytes]:
-        return [e async for e in reply.events(entries)]
-
-    return [json.loads(e[6:]) for e in asyncio.run(events()) if e != b"data: [DONE]\n\n"]
-
-
-def test_a_streamed_auto_answer_sends_text_as_deltas_and_a_call_whole() -> None:
-    text = streamed(["\n<to", "day is", " fine"])
-    assert [c["choices"][0]["delta"].get("content") for c in text] == [
-        "", "\n<to", "day is", " fine", None]
-    assert text[-1]["choices"][0]["finish_reason"] == "stop"
-    call = streamed(["\n<tool", "_call>", CALL, CLOSE])
-    assert [c["choices"][0]["delta"].get("content") for c in call] == ["", None, None]
-    entry = call[1]["choices"][0]["delta"]["tool_calls"][0]
-    assert entry["index"] == 0 and entry["function"]["name"] == "add"
-    assert call[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    cut = streamed(["<tool_call>", CALL[:10]], "length")
-    assert [c["choices"][0]["delta"].get("content") for c in cut] == [
-        "", f"<tool_call>{CALL[:10]}", None]
-    assert cut[-1]["choices"][0]["finish_reason"] == "length"
-    held = streamed(["<tool"], "length")  # ended while it might have become the marker
-    assert [c["choices"][0]["delta"].get("content") for c in held] == ["", "<tool", None]
-
-
 @pytest.mark.parametrize("choice", [None, "required"])
 def test_tools_too_deep_or_too_big_are_400_naming_tools(choice: str | None) -> None:
     from producer.gateway.errors import ApiError
