@@ -40,6 +40,7 @@ from producer.gateway.generation_shapes import (
 )
 from producer.gateway.logprob_shapes import shaped, text_length
 from producer.gateway.metrics import FOREIGN_ENVELOPES
+from producer.gateway.tool_auto import MarkerHold
 from producer.liveness import Kind
 from producer.request_base import block_slices
 
@@ -185,6 +186,7 @@ class StreamReply:
         self.deadline = time.monotonic() + generations.timeout_s
         self.param = "messages" if request.kind == CHAT else "prompt"
         self.offset = 0  # completions' text_offset of the next chunk's first token
+        self.hold = MarkerHold() if request.tool_auto else None  # "auto": a call's deltas
 
     async def first(self) -> list[Entry]:
         """The first entries, before the response starts: errors are HTTP errors then."""
@@ -208,8 +210,8 @@ class StreamReply:
                 for _, envelope in entries:
                     if envelope["type"] != "done":
                         sent += 1
-                        if not self.request.tool_call:  # a call comes whole, at the end
-                            yield sse(self._delta(envelope))
+                        for delta in self._release(envelope):  # a call comes whole, at the end
+                            yield sse(self._delta(delta))
                         continue
                     finished = True  # deleted before the client can see the end
                     await self.generations.redis.delete(self.key)
@@ -228,6 +230,12 @@ class StreamReply:
                first: bool = False) -> dict[str, Any]:
         return chunk(self.request, self.request_id, self.created, text, reason, first)
 
+    def _release(self, envelope: dict[str, Any]) -> list[dict[str, Any]]:
+        """The deltas to send now: none of a forced call, an "auto" answer's once it is text."""
+        if self.hold is not None:
+            return self.hold.take(envelope)
+        return [] if self.request.tool_call else [envelope]
+
     def _delta(self, envelope: dict[str, Any]) -> dict[str, Any]:
         """A delta's chunk, with its tokens' logprobs where the worker sent them."""
         records = envelope.get("logprobs")
@@ -241,8 +249,9 @@ class StreamReply:
             return [sse(worker_error(envelope, self.param).body())]
         result = envelope.get("result") or {}
         reason = openai_finish_reason(result.get("finish_reason"))
-        events = []
-        if self.request.tool_call:  # the call, or (cut by max_tokens) the text as it is
+        events = [sse(self._delta(delta)) for delta in self.hold.flush()] if self.hold else []
+        if self.request.tool_call and (self.hold is None or self.hold.is_call()):
+            # the call, or (cut by max_tokens) the text as it is
             text = str(result.get("text", ""))
             call = tool_call_chunk(self.request, self.request_id, self.created, text) \
                 if reason == "stop" else None

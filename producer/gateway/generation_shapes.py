@@ -19,7 +19,7 @@ from producer.gateway.errors import invalid, refuse_unsupported
 from producer.gateway.logprob_shapes import CHAT_LOGPROB_FIELDS, logprob_fields, shaped
 from producer.gateway.penalty_fields import PENALTY_FIELDS, penalty_fields
 from producer.gateway.structured_fields import STRUCTURED_FIELDS, structured_fields
-from producer.gateway.tool_calls import TOOL_FIELDS, tool_call, tool_fields
+from producer.gateway.tool_calls import AUTO, NONE, TOOL_FIELDS, tool_call, tool_fields
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                  "stream_options", "n", "user", *PENALTY_FIELDS, *STRUCTURED_FIELDS}
@@ -46,6 +46,7 @@ class GenerationRequest:
     n: int = 1  # choices per prompt (choice_fields.py)
     prompts: tuple[str, ...] = ()  # completions: every prompt (the payload holds the first)
     tool_call: bool = False  # the answer is a tool call (tool_calls.py)
+    tool_auto: bool = False  # ... or text: "auto", the call behind its marker (tool_auto.py)
 
     @property
     def choices(self) -> int:
@@ -60,8 +61,9 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if "max_completion_tokens" in fields:
         fields["max_tokens"] = fields.pop("max_completion_tokens")
     messages = parse_messages(fields.get("messages"))
-    tools = tool_fields(fields, messages)
-    return _request(CHAT, fields, {"messages": messages, **tools}, bool(tools))
+    tools, mode = tool_fields(fields, messages)
+    request = _request(CHAT, fields, {"messages": messages, **tools}, mode != NONE)
+    return replace(request, tool_auto=True) if mode == AUTO else request
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -193,7 +195,8 @@ def completion_response(request: GenerationRequest, request_id: str, created: in
     text, reason = str(result.get("text", "")), openai_finish_reason(result.get("finish_reason"))
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason,
                               "logprobs": shaped(request.kind == CHAT, result.get("logprobs"))}
-    call = tool_call(text) if request.tool_call and reason == "stop" else None
+    call = tool_call(text, request.tool_auto) if request.tool_call and reason == "stop" \
+        else None
     if call is not None:
         choice["finish_reason"] = "tool_calls"
         choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
@@ -236,7 +239,7 @@ def tool_call_chunk(request: GenerationRequest, request_id: str, created: int,
                     text: str) -> tuple[dict[str, Any], str] | None:
     """A streamed tool call: the chunk that carries it whole, and its finish_reason (None
     when the text is not a whole call)."""
-    call = tool_call(text)
+    call = tool_call(text, request.tool_auto)
     if call is None:
         return None
     body = chunk(request, request_id, created, None)

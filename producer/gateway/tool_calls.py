@@ -1,4 +1,4 @@
-"""Tool calling on /v1/chat/completions, the part a grammar can enforce.
+"""Tool calling on /v1/chat/completions, enforced by a grammar.
 
 `tools` with `tool_choice` "required" or a named function become a JSON-schema constraint
 on the answer ({"name": <a tool's name>, "arguments": <its parameters' schema>}; "required"
@@ -6,9 +6,11 @@ is an anyOf over the tools), sent to the worker as `structured_outputs.json`, wi
 described in the system message (a chat template without a tool format, as SmolLM2's, would
 not show them to the model). The answer is one call, shaped as OpenAI's `message.tool_calls`
 with finish_reason "tool_calls"; streamed, the call comes in one chunk when it is complete.
-`tool_choice` "none" is plain generation (the tools are ignored). "auto" (the default when
-tools are given) is refused: deciding between text and a call needs the model's own tool
-format, and no grammar can make that choice honestly.
+`tool_choice` "auto", the default when tools are given, lets the model choose: its answer is
+text, or one call behind the `<tool_call>` marker that an llguidance Lark grammar
+(`structured_outputs.grammar`) holds to the tools' anyOf schema (tool_auto.py); a whole
+call is answered as above, anything else as text. "none" is plain generation (the tools are
+ignored). `parallel_tool_calls` is accepted; one call is made.
 """
 
 from __future__ import annotations
@@ -17,40 +19,44 @@ import json
 import secrets
 from typing import Any
 
-from producer.gateway import jsonio
+from producer.gateway import jsonio, tool_auto
 from producer.gateway.errors import invalid
-from producer.gateway.structured_fields import MAX_GRAMMAR_CHARS
+from producer.gateway.structured_fields import MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH, depth
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 MAX_TOOLS = 128
 ANY_ARGUMENTS = {"type": "object"}
-AUTO = ("'tool_choice' \"auto\" is not supported: send \"required\", {\"type\": \"function\", "
-        "\"function\": {\"name\": ...}} or \"none\"")
+NONE, FORCED, AUTO = "", "forced", "auto"  # how the answer may hold a call
 
 
-def tool_fields(fields: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The worker's payload fields for tools (none for "none" or no tools); `messages` get
-    the tools' description. Raises 400 for "auto" and for malformed tools."""
+def tool_fields(fields: dict[str, Any], messages: list[dict[str, Any]]
+                ) -> tuple[dict[str, Any], str]:
+    """The worker's payload fields for tools (none for "none" or no tools) and the mode
+    (NONE, FORCED or AUTO); `messages` get the tools' description. 400 for malformed tools."""
     tools, choice = fields.get("tools"), fields.get("tool_choice")
     if tools is None:
         if choice not in (None, "none"):
             raise invalid("'tool_choice' needs 'tools'", "tool_choice")
-        return {}
+        return {}, NONE
     functions = _functions(tools)
     if choice == "none":
-        return {}
-    if choice in (None, "auto"):
-        raise invalid(AUTO, "tool_choice", "unsupported_parameter")
+        return {}, NONE
     if any(name in fields for name in ("response_format", "structured_outputs")):
-        raise invalid("send 'tools' with a 'tool_choice' or a structured output, not both",
-                      "tool_choice")
-    chosen = _chosen(choice, functions)
+        raise invalid("send 'tools' (unless 'tool_choice' is \"none\") or a structured "
+                      "output, not both", "tool_choice")
+    auto = choice in (None, "auto")
+    chosen = functions if auto else _chosen(choice, functions)
     schema = {"anyOf": [_call_schema(f) for f in chosen]} if len(chosen) > 1 \
         else _call_schema(chosen[0])
-    if len(jsonio.dumps(schema)) > MAX_GRAMMAR_CHARS:
-        raise invalid(f"'tools' make a schema over {MAX_GRAMMAR_CHARS} bytes", "tools")
-    _describe(messages, _described(chosen))
-    return {"structured_outputs": {"json": schema}}
+    if depth(schema) > MAX_SCHEMA_DEPTH:  # first: too deep to write as JSON text
+        raise invalid(f"'tools' nest deeper than {MAX_SCHEMA_DEPTH} levels", "tools")
+    grammar = tool_auto.auto_grammar(schema) if auto else None
+    if len(grammar or jsonio.dumps(schema)) > MAX_GRAMMAR_CHARS:
+        raise invalid(f"'tools' make a grammar over {MAX_GRAMMAR_CHARS} bytes", "tools")
+    listed = _listed(chosen)
+    _describe(messages, tool_auto.described(listed) if auto else _described(listed))
+    return ({"structured_outputs": {"grammar": grammar}}, AUTO) if grammar else \
+        ({"structured_outputs": {"json": schema}}, FORCED)
 
 
 def _functions(tools: Any) -> list[dict[str, Any]]:
@@ -98,18 +104,24 @@ def _describe(messages: list[dict[str, Any]], description: str) -> None:
         messages.insert(0, {"role": "system", "content": description})
 
 
-def _described(functions: list[dict[str, Any]]) -> str:
-    listed = json.dumps([{key: f[key] for key in ("name", "description", "parameters")
-                          if key in f} for f in functions])
+def _listed(functions: list[dict[str, Any]]) -> str:
+    return json.dumps([{key: f[key] for key in ("name", "description", "parameters")
+                        if key in f} for f in functions])
+
+
+def _described(listed: str) -> str:
     return ("Answer with one function call as JSON: {\"name\": <function name>, "
             f"\"arguments\": <its arguments>}}. The functions: {listed}")
 
 
-def tool_call(text: str) -> dict[str, Any] | None:
+def tool_call(text: str, marked: bool = False) -> dict[str, Any] | None:
     """The call a constrained answer holds, as OpenAI's tool_calls entry (None when the text
-    is not a whole call: max_tokens cut it)."""
+    is not a whole call: max_tokens cut it, or an "auto" answer (`marked`) is text)."""
+    body = tool_auto.marked_call(text) if marked else text
+    if body is None:
+        return None
     try:
-        call = json.loads(text)
+        call = json.loads(body)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):

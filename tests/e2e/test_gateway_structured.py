@@ -1,9 +1,9 @@
 """Structured outputs and tool calls end to end: the official `openai` client, the gateway,
 a real Redis and a worker serving the tiny GPT-2 (random weights: only the grammar makes its
 answers valid). response_format json_schema parsed into a pydantic model, vLLM's
-structured_outputs, tools with tool_choice required or named, streamed and not; bad and
-hostile grammars answered 400 naming the field while a victim request beside them answers
-as fast as it does alone."""
+structured_outputs, tools with tool_choice required or named, streamed and not ("auto" is
+in test_gateway_tool_auto.py); bad and hostile grammars answered 400 naming the field
+while a victim request beside them answers as fast as it does alone."""
 
 from __future__ import annotations
 
@@ -136,12 +136,11 @@ def hostile_bodies() -> list[bytes]:
     ({"structured_outputs": {"grammar": "start: (("}}, "structured_outputs"),  # the worker
     ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs"),  # worker
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),  # the worker
-    ({"tools": TOOLS}, "tool_choice"),  # "auto", the default: refused
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
-], ids=["type", "no-schema", "two-kinds", "lark", "schema", "regex", "tools-default", "auto",
+], ids=["type", "no-schema", "two-kinds", "lark", "schema", "regex", "auto-and-format",
         "unknown-tool", "bad-tool"])
 def test_bad_grammars_are_400_naming_the_field(served: str, body: dict[str, Any],
                                                param: str) -> None:

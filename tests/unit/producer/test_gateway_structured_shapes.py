@@ -103,8 +103,7 @@ def deep(levels: int) -> dict[str, Any]:
     ({"structured_outputs": {"choice": "a"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a" * MAX_GRAMMAR_CHARS}}, "structured_outputs"),
     ({"structured_outputs": {"json": deep(MAX_SCHEMA_DEPTH + 2)}}, "structured_outputs"),
-    ({"tools": TOOLS}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice"),
@@ -112,7 +111,7 @@ def deep(levels: int) -> dict[str, Any]:
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
 ], ids=["type", "no-name", "both", "empty-regex", "choice-string", "too-long", "too-deep",
-        "auto-default", "auto", "no-tools", "unknown-tool", "not-function", "tools-and-format"])
+        "auto-and-format", "no-tools", "unknown-tool", "not-function", "tools-and-format"])
 def test_mistakes_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as refused:
         parse_chat_request({**CHAT, **body})
