@@ -5,7 +5,7 @@ the worker's /metrics every second, prints `python -m worker stats` in the middl
 and draws throughput, latency percentiles, batch sizes, padding efficiency, backlog and memory
 with the same formulas as configs/grafana/dashboards/redbatch.json.
 
-    python -m bench.dashboard --out docs/dashboard.png
+    python -m bench.dashboard --out docs/dashboard.png [--waves 3] [--texts 400] [--pause 15]
 """
 
 from __future__ import annotations
@@ -148,7 +148,15 @@ def main() -> int:
                 worker.wait()
     draw(scrapes, args.out)
     print(f"wrote {args.out} from {len(scrapes)} scrapes")
+    print(summary(scrapes, args.waves * len(texts)))
     return 0
+
+
+def summary(scrapes: list[tuple[float, Sample]], sent: int) -> str:
+    """What the run measured, so a run that lost its load (or its scrapes) shows it."""
+    answered = total(scrapes[-1][1], "redbatch_requests_total", status="ok")
+    peak = max(rates(scrapes)[1]["throughput"], default=0.0)
+    return f"answered {answered:.0f} of {sent} requests; peak {peak:.1f} replies/s"
 
 
 def rates(scrapes: list[tuple[float, Sample]]) -> tuple[list[float], dict[str, list[float]]]:

@@ -6,12 +6,13 @@ non-associativity: chunked, padded and recomputed forwards sum in another order)
 apart from a bug (a large margin).
 
     python -m bench.generative.exactness [--prompts N] [--seed S] [--out DIR]
-        [--device cuda] [--dtype bfloat16]
+        [--device cuda] [--dtype bfloat16] [--model causal_lm --model-options JSON]
 
 Writes DIR/2026-12-01-smollm2-exactness.{json,md} (float32 on the CPU; another device or dtype
-adds both to the name). One torch thread: the machine is shared. In a 16-bit dtype the
-reference is generate() in that dtype, and a near-tie is a margin within NEAR_TIE_ULPS of that
-dtype's rounding steps at the top logit's size (float32: NEAR_TIE).
+adds both to the name, another model its name and the date). One torch thread: the machine is
+shared. In a 16-bit dtype the reference is generate() in that dtype, and a near-tie is a margin
+within NEAR_TIE_ULPS of that dtype's rounding steps at the top logit's size (float32:
+NEAR_TIE).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -59,11 +61,13 @@ def near_tie_threshold(dtype: torch.dtype, top_logit: float) -> float:
     return max(NEAR_TIE, NEAR_TIE_ULPS * step)
 
 
-def load_model(device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> Any:
+def load_model(device: torch.device = CPU, dtype: torch.dtype = torch.float32,
+               name: str = "smollm2", options: Mapping[str, Any] | None = None) -> Any:
+    """SmolLM2 by default; any causal LM model (e.g. causal_lm on the tests' tiny GPT-2)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from worker.models.smollm2 import SmolLM2
+    from worker.models import create_model
 
-    model = SmolLM2()
+    model = create_model(name, dict(options or {}))
     model.dtype = dtype
     model.load(device)
     return model
@@ -185,6 +189,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                                      description=__doc__)
     parser.add_argument("--prompts", type=int, default=120)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="smollm2", help="a causal LM model of the worker's")
+    parser.add_argument("--model-options", type=json.loads, default={}, help=(
+        "JSON, e.g. '{\"path\": \"/a/model\"}' for causal_lm (the tests' tiny GPT-2)"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--max-new", type=int, default=48)
     parser.add_argument("--max-step-tokens", type=int, default=32)
@@ -203,17 +210,25 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def command(args: argparse.Namespace) -> str:
     """The command line that reproduces the run (a flag alone for a switch that is on)."""
-    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-             for k, v in vars(args).items() if k != "out" and v is not False]
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {flag_value(v)}")
+             for k, v in vars(args).items() if k != "out" and v is not False and v != {}]
     return "python -m bench.generative.exactness " + " ".join(flags)
 
 
-def report_name(device: torch.device, dtype: str, gpu_shapes: bool, overlap: bool) -> str:
-    if device.type == "cpu" and dtype == "float32" and not gpu_shapes and not overlap:
+def flag_value(value: Any) -> str:
+    """A flag's value as typed on a command line (JSON options quoted for the shell)."""
+    return f"'{json.dumps(value)}'" if isinstance(value, dict) else str(value)
+
+
+def report_name(device: torch.device, dtype: str, gpu_shapes: bool, overlap: bool,
+                model: str = "smollm2") -> str:
+    if model == "smollm2" and device.type == "cpu" and dtype == "float32" and not gpu_shapes \
+            and not overlap:
         return NAME  # the stored report, rewritten by a rerun
     shaped = "-gpu-shapes" if gpu_shapes and device.type == "cpu" else ""
     shaped += "-overlap" if overlap else ""
-    return f"{datetime.date.today().isoformat()}-smollm2-exactness-{dtype}-{device.type}{shaped}"
+    model = re.sub(r"[^\w-]", "-", model)  # a plugin's 'package.module:Class' as a file name
+    return f"{datetime.date.today().isoformat()}-{model}-exactness-{dtype}-{device.type}{shaped}"
 
 
 def tie_rule(dtype: str) -> str:
@@ -227,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
     device = torch.device(args.device)
-    model = load_model(device, getattr(torch, args.dtype))
+    model = load_model(device, getattr(torch, args.dtype), args.model, args.model_options)
     loaded = time.perf_counter()
     requests = build_requests(model, args.prompts, args.seed, args.max_new)
     refs = {r.id: reference(model.lm, r.prompt_ids, r.max_new_tokens) for r in requests}
@@ -240,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     served = serve(engine, limits, requests, overlap=args.overlap)
     differences, rows = compare(model, requests, refs, served)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": command(args), "dtype": args.dtype,
+              "command": command(args), "model": args.model, "dtype": args.dtype,
               "summary": summary(rows, differences, served),
               "limits": {**asdict(limits), "kv_tokens": limits.kv_tokens},
               "noise": noise(refs, served), "near_tie_threshold": tie_rule(args.dtype),
@@ -249,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "differences": [{**asdict(d), "near_tie": d.near_tie} for d in differences],
               "requests": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = report_name(device, args.dtype, args.gpu_shapes, args.overlap)
+    name = report_name(device, args.dtype, args.gpu_shapes, args.overlap, args.model)
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / f"{name}.md").write_text(markdown(report, differences))
     print(markdown(report, differences))

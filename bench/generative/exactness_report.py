@@ -42,7 +42,8 @@ class Difference:
 
 def markdown(report: Mapping[str, Any], differences: Sequence[Difference]) -> str:
     s, t, n = report["summary"], report["timings_s"], report["noise"]
-    lines = [f"# SmolLM2 continuous-batching exactness ({report['date']})", "",
+    model = {"smollm2": "SmolLM2"}.get(report.get("model", "smollm2"), report.get("model"))
+    lines = [f"# {model} continuous-batching exactness ({report['date']})", "",
              f"`{report['command']}`", "",
              f"- match: **{s['matched']}/{s['prompts']} = {100 * s['match_rate']:.1f}%** "
              + (f"(target >= 99%: {'met' if s['match_rate'] >= 0.99 else 'NOT met'})"

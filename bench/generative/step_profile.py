@@ -7,12 +7,14 @@ arithmetic (bench/results/generative/2026-12-04-gpu-h200.md), so the count is th
 CUDA the profiler also counts the kernels launched and the graph replays.
 
     python -m bench.generative.step_profile [--rows 16] [--device cpu] [--model smollm2]
+        [--model-options JSON]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -79,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model-options", type=json.loads, default={}, help=(
+        "JSON, e.g. '{\"path\": \"/a/model\"}' for causal_lm (the tests' tiny GPT-2)"))
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = create_model(args.model, {})
+    model = create_model(args.model, args.model_options)
     model.load(torch.device(args.device))
     cuda = args.device.startswith("cuda")
     runs = {"row by row": profile_steps(model, args.rows, False, False),

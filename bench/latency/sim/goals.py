@@ -112,8 +112,9 @@ def static(scenario: Scenario, wait: float, size: int) -> StaticDispatcher:
     return StaticDispatcher(scenario.boundaries, wait, size)
 
 
-def capacity(scenario: Scenario, seed: int = 1) -> float:
-    """The highest rate some static setting holds (bisection per setting, 2 % steps)."""
+def capacity(scenario: Scenario, seed: int = 1, seconds: float = 30.0) -> float:
+    """The highest rate some static setting holds (bisection per setting, 2 % steps), each
+    probe `seconds` of simulated traffic."""
     top = scenario.max_batch_size / scenario.cost.sample(
         scenario.max_batch_size, max(scenario.lengths(random.Random(seed)) for _ in range(50)),
         1.0, random.Random(0)) * 1000 * scenario.instances * 2
@@ -122,12 +123,12 @@ def capacity(scenario: Scenario, seed: int = 1) -> float:
         if size > scenario.max_batch_size:
             continue
         low, high = best, top
-        if not holds(scenario, static(scenario, wait, size), max(low, 1.0), seed):
+        if not holds(scenario, static(scenario, wait, size), max(low, 1.0), seed, seconds):
             continue
         while high - low > 0.02 * high:
             middle = (low + high) / 2
             low, high = (middle, high) if holds(scenario, static(scenario, wait, size),
-                                                middle, seed) else (low, middle)
+                                                middle, seed, seconds) else (low, middle)
         best = max(best, low)
     return best
 

@@ -138,10 +138,11 @@ GOALS = {"G1 step load": step_load, "G2 light load": light_load, "G3 overload": 
 
 
 def report(seed: int = 1, phase_s: float = 60.0,
-           scenarios: Sequence[Scenario] = (ECHO, MINILM)) -> dict[str, Any]:
+           scenarios: Sequence[Scenario] = (ECHO, MINILM),
+           capacity_s: float = 30.0) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for scenario in scenarios:
-        c = capacity(scenario, seed)
+        c = capacity(scenario, seed, capacity_s)
         results[scenario.name] = {"capacity_per_s": round(c, 1), "target_ms": scenario.target_ms,
                                   **{goal: measure(scenario, c, phase_s, seed)
                                      for goal, measure in GOALS.items()}}
