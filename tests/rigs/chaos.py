@@ -12,11 +12,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 
 from producer.protocol import decode_envelope
 from tests.rigs.paths import REPO_ROOT
+from worker.streams.server import free_port
 
 ROOT = REPO_ROOT
 CLAIM_IDLE_MS = 1000
@@ -57,6 +59,43 @@ class WorkerProcess:
             self.process.send_signal(signal.SIGCONT)
             self.process.kill()
         self.process.wait(10)
+
+
+class GatewayProcess:
+    """`python -m producer serve` in a child process: its batch runner holds a batch under a
+    1 s lease, so a new gateway takes it over soon after this one is killed."""
+
+    def __init__(self, url: str, log: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "producer", "serve", "--redis-url", url, "--port",
+                 str(self.port), "--batch-lease-s", "1", "--batch-window", "128",
+                 "--batch-max-backlog", "128", "--log-level", "warning", *flags],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=out)
+        try:
+            wait_until(self.ready, 30, "gateway start")
+        except BaseException:
+            self.kill()  # not left running past a failed start
+            raise
+
+    def ready(self) -> bool:
+        assert self.process.poll() is None, "the gateway exited"
+        try:
+            return httpx.get(f"{self.base}/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+
+def batch(base: str, batch_id: str) -> dict[str, Any]:
+    """GET /v1/batches/<id> of the gateway at `base`."""
+    found: dict[str, Any] = httpx.get(f"{base}/v1/batches/{batch_id}", timeout=5).json()
+    return found
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str,

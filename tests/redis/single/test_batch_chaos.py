@@ -8,50 +8,24 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import httpx
 import redis
 
-from tests.e2e.test_gateway import free_port
-from tests.rigs.chaos import ROOT, WorkerProcess, heaviest_on_redis_7_only, wait_until
+from tests.rigs.chaos import (
+    GatewayProcess,
+    WorkerProcess,
+    batch,
+    heaviest_on_redis_7_only,
+    wait_until,
+)
 
 LINES = 3000
 WORKER_FLAGS = ("--model", "minilm", "--max-batch-size", "32", "--claim-idle-ms", "1000",
                 "--block-ms", "200", "--maintenance-interval-s", "0.5")
-
-
-class GatewayProcess:
-    def __init__(self, url: str, log: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "producer", "serve", "--redis-url", url, "--port",
-                 str(self.port), "--batch-lease-s", "1", "--batch-window", "128",
-                 "--batch-max-backlog", "128", "--log-level", "warning"],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=out)
-        wait_until(self.ready, 30, "gateway start")
-
-    def ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.base}/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
-
-
-def batch(base: str, batch_id: str) -> dict[str, Any]:
-    found: dict[str, Any] = httpx.get(f"{base}/v1/batches/{batch_id}", timeout=5).json()
-    return found
 
 
 def test_every_line_answered_once_through_gateway_and_worker_kills(
