@@ -12,6 +12,9 @@ from bench.peers.systems import Skipped, System
 
 PEER_GOAL = 1.5  # default redbatch over every peer at that peer's best configuration
 OFFLINE_GOAL = 0.9  # default redbatch over its own offline limit, same dtype
+# the bound redbatch's own dtypes are held to (issue 45): a peer's faster configuration
+# below it (ONNX Runtime's dynamic int8: 0.93) is also compared at its best above it
+ACCURACY_BOUND = 0.999
 
 
 def paired_ratio(ours: list[float], theirs: list[float]) -> float:
@@ -32,11 +35,13 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """redbatch >= 1.5x each peer's fastest system, and >= 0.9x its own offline limit."""
     found = []
     for peer in dict.fromkeys(r["peer"] for r in rows if r["peer"] != "redbatch"):
-        best = max((r for r in rows if r["peer"] == peer), key=lambda r: r["texts_per_s"])
-        found.append({"goal": f"redbatch >= {PEER_GOAL}x {peer} at its best ({best['name']}, "
-                              f"{best['config']})",
-                      "value": best["redbatch_over"], "bar": PEER_GOAL,
-                      "met": best["redbatch_over"] >= PEER_GOAL})
+        theirs = [r for r in rows if r["peer"] == peer]
+        best = max(theirs, key=lambda r: r["texts_per_s"])
+        found.append(peer_goal(peer, best, "at its best"))
+        accurate = [r for r in theirs if (r["min_cosine"] or 0) >= ACCURACY_BOUND]
+        if accurate and (best["min_cosine"] or 0) < ACCURACY_BOUND:
+            found.append(peer_goal(peer, max(accurate, key=lambda r: r["texts_per_s"]),
+                                   f"at its best with min cosine >= {ACCURACY_BOUND}"))
     offline = next(r for r in rows if r["name"] == "redbatch offline")
     found.append({"goal": f"redbatch >= {OFFLINE_GOAL}x its offline limit ({offline['dtype']}, "
                           f"{offline['config']})",
@@ -44,6 +49,13 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                   "met": offline["redbatch_over"] >= OFFLINE_GOAL,
                   "same_dtype": offline["dtype"] == rows[0]["dtype"]})
     return found
+
+
+def peer_goal(peer: str, row: dict[str, Any], which: str) -> dict[str, Any]:
+    return {"goal": f"redbatch >= {PEER_GOAL}x {peer} {which} ({row['name']}, "
+                    f"{row['config']})",
+            "value": row["redbatch_over"], "bar": PEER_GOAL,
+            "met": row["redbatch_over"] >= PEER_GOAL}
 
 
 def summarise(systems: list[System], skipped: list[Skipped]) -> dict[str, Any]:

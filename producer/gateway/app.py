@@ -92,7 +92,7 @@ class Gateway:
     def runner(self) -> Runner:
         s = self.settings
         config = RunnerConfig(s.batch_window, s.batch_max_backlog, s.batch_busy_backlog,
-                              s.batch_lease_s, s.batch_flight_timeout_s,
+                              s.batch_lease_s, s.batch_flight_timeout_s, s.batch_takeover_s,
                               max_lines=s.batch_max_lines,
                               max_line_bytes=s.max_body_bytes, max_inputs=s.max_inputs)
         return Runner(self.batches, self.dispatcher.client, self.kind_of, config,

@@ -71,6 +71,9 @@ class GatewaySettings(BaseSettings):
         "a batch whose runner has not renewed its lease this long is taken over"))
     batch_flight_timeout_s: float = Field(900.0, gt=0, description=(
         "a batch line unanswered this long after it was admitted is admitted again"))
+    batch_takeover_s: float = Field(30.0, gt=0, description=(
+        "lines in flight when a batch is taken over are admitted again this soon, unless"
+        " answered (the runner that died may have recorded lines it never queued)"))
     batch_max_lines: int = Field(50_000, gt=0, description="most lines of a batch's file")
     batch_max_file_bytes: int = Field(200 << 20, gt=0, description=(
         "largest file POST /v1/files takes"))

@@ -72,6 +72,8 @@ class GatewayProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "producer", "serve", "--redis-url", url, "--port",
                  str(self.port), "--batch-lease-s", "1", "--batch-window", "128",
+                 # lines a killed gateway recorded and never queued go again after 3 s
+                 "--batch-takeover-s", "3",
                  "--batch-max-backlog", "128", "--log-level", "warning", *flags],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=out)
         try:

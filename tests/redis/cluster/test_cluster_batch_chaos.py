@@ -10,9 +10,9 @@ The model is the tiny BERT encoder built offline (tests/rigs/tiny_encoders.py). 
 on 2 cores: the cluster's start and the model's build (~8.5 s; the `cluster` fixture is per
 module, as in the other cluster modules), four process starts (two gateways, two workers,
 the workers' torch import most of it) and the 1800 lines (~12 s together).
-`--batch-flight-timeout-s 5` bounds the stall when the killed gateway had recorded lines it
-never queued: a takeover alone admits them again after 30 s (1 run in 3 without the flag:
-54 such lines, the test 25 s longer).
+`--batch-takeover-s 3` (tests/rigs/chaos.py) bounds the stall when the killed gateway had
+recorded lines it never queued: a takeover admits them again after `batch_takeover_s`, 30 s
+by default (1 run in 3: 54 such lines, the test 25 s longer).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = ["cluster"]  # the fixture, imported for pytest
 MODEL = "encoder"
 LINES = 1800
 STEP = 200  # lines completed between one kill and the next
-GATEWAY_FLAGS = ("--redis-cluster", "true", "--batch-flight-timeout-s", "5")
+GATEWAY_FLAGS = ("--redis-cluster", "true")
 
 
 @pytest.fixture
