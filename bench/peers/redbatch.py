@@ -22,6 +22,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from bench.common.processes import Workers
@@ -84,8 +85,21 @@ def offline(batch_sizes: Sequence[int], cores: int) -> list[System]:
     configs[f"worker's batch limits {setup.limits[0]} rows / {setup.limits[1]} tokens, "
             f"1 instance(s) x {cores} thread(s)"] = limits
     return [System("redbatch offline", "redbatch", setup.dtype, configs,
-                   note="the worker's model and executor in-process, no Redis"),
+                   note="the worker's model and executor in-process, no Redis",
+                   embed=lambda texts: embeddings(setup.model, texts)),
             forward_only(setup.model, setup.dtype, batch_sizes, cores)]
+
+
+def embeddings(model: Model, texts: Sequence[str], size: int = 32) -> numpy.ndarray:
+    """The model's normalised rows for `texts`, in its dtype as a worker serves them: the
+    accuracy redbatch's figures are compared at."""
+    rows = []
+    with torch.inference_mode():
+        for start in range(0, len(texts), size):
+            items = [model.prepare({"text": t}, len(t.encode()))
+                     for t in texts[start:start + size]]
+            rows.append(torch.as_tensor(model.forward(model.collate(items))).float())
+    return torch.nn.functional.normalize(torch.cat(rows), dim=1).numpy()
 
 
 def forward_only(model: Model, dtype: str, batch_sizes: Sequence[int], cores: int) -> System:

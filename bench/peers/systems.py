@@ -31,6 +31,8 @@ class System:
     selection: dict[str, float] = field(default_factory=dict)  # texts/s by configuration
     rates: list[float] = field(default_factory=list)  # texts/s, one per round
     min_cosine: float | None = None  # against the float32 reference (None: not compared)
+    # its normalised embeddings, where its encode returns a rate instead (redbatch's)
+    embed: Callable[[Sequence[str]], numpy.ndarray] | None = None
 
     def choose(self, texts: Sequence[str]) -> str:
         """Time every configuration once on `texts` (after a warm pass) and keep the fastest;
@@ -52,7 +54,7 @@ class System:
 
 def embeddings(system: System, texts: Sequence[str]) -> numpy.ndarray | None:
     """Its chosen configuration's rows for `texts` (None: it does not return them)."""
-    rows = system.configs[system.chosen](texts)
+    rows = system.embed(texts) if system.embed else system.configs[system.chosen](texts)
     return numpy.asarray(rows, dtype=numpy.float32) if isinstance(rows, numpy.ndarray) else None
 
 

@@ -209,3 +209,13 @@ def test_the_conversation_after_a_tool_call_is_answered(served: str) -> None:
         # the call and its result were rendered into the prompt (as plain text: the tiny
         # model's template has no tool format)
         assert answer.usage.prompt_tokens > alone.prompt_tokens + 10
+    # tools again with tool_choice omitted ("auto"), as every agent loop's next turn sends
+    # them: text or a call, streamed and not (the SDK raises unless it is a 200)
+    follow = [*MESSAGES, message, result]
+    auto = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=16,  # type: ignore[arg-type]
+                                          tools=TOOLS)  # type: ignore[arg-type]
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    chunks = [c for c in client.chat.completions.create(
+        model=MODEL, messages=follow, max_tokens=16, tools=TOOLS,  # type: ignore[arg-type]
+        stream=True) if c.choices]  # type: ignore[arg-type]
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")

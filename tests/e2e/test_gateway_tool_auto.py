@@ -1,7 +1,8 @@
 """`tool_choice` "auto" (and omitted with `tools`) end to end: the official `openai` client,
 the gateway, a real Redis and a worker serving the tiny GPT-2 (random weights: its answers
 are random, so the tests hold their SHAPE: text with finish_reason stop or length, or one
-valid call of one of the tools), streamed and not, and the agent loop's follow-up turn."""
+valid call of one of the tools), streamed and not. The agent loop's follow-up turn is in
+test_gateway_structured.py's conversation test."""
 
 from __future__ import annotations
 
@@ -57,21 +58,3 @@ def test_auto_answers_text_or_a_valid_call_streamed_and_not(served: str) -> None
         # the same seed gives the same answer: streamed, it is held and released, not changed
         assert text == (answer.choices[0].message.content or "")
     print("answers:", kinds)
-
-
-def test_the_agent_loops_follow_up_turn_is_answered(served: str) -> None:  # noqa: F811
-    client = sdk(served)
-    asked = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200,
-                                           tools=TOOLS, tool_choice="required")  # type: ignore[arg-type]
-    message = asked.choices[0].message
-    assert message.tool_calls
-    result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C"}
-    follow = [*MESSAGES, message, result]
-    # tool_choice omitted, as every agent loop sends it; the SDK raises unless it is a 200
-    answer = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=16,  # type: ignore[arg-type]
-                                            tools=TOOLS)  # type: ignore[arg-type]
-    assert_shape(answer.choices[0].message, answer.choices[0].finish_reason)
-    chunks = [c for c in client.chat.completions.create(
-        model=MODEL, messages=follow, max_tokens=16, tools=TOOLS,  # type: ignore[arg-type]
-        stream=True) if c.choices]  # type: ignore[arg-type]
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -115,6 +115,14 @@ def cluster(redis7: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield rig
 
 
+@pytest.fixture
+def rig(cluster: ClusterRig) -> ClusterRig:
+    """The module's cluster, healthy and emptied: what each test starts from."""
+    wait_until(cluster.healthy, 20, "the cluster is not healthy")
+    flush(cluster)
+    return cluster
+
+
 def cluster_worker(url: str, model: str = "echo",
                    **overrides: Any) -> AbstractContextManager[Worker]:
     """conftest.running_worker, on a cluster (redis_cluster, the cluster client)."""

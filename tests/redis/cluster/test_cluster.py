@@ -24,21 +24,14 @@ from producer import AsyncClient, Client, Overloaded, connection, protocol, requ
 from producer.backlog import ShardCycle
 from producer.replicas import ReplicaCount
 from producer.shards import key_slot, shard_reply_key, shard_stream_key
-from tests.rigs.cluster import ClusterRig, cluster, cluster_worker, flush, paused
+from tests.rigs.cluster import ClusterRig, cluster, cluster_worker, paused, rig
 from tests.rigs.paths import REPO_ROOT
 from tests.rigs.servers import wait_until
 from worker.streams.replier import Reply
 from worker.streams.shard_replies import ForeignReplies
 
-__all__ = ["cluster"]  # the fixture, imported for pytest
+__all__ = ["cluster", "rig"]  # the fixtures, imported for pytest
 ROOT = REPO_ROOT
-
-
-@pytest.fixture
-def rig(cluster: ClusterRig) -> ClusterRig:
-    wait_until(cluster.healthy, 20, "the cluster is not healthy")
-    flush(cluster)
-    return cluster
 
 
 def shard_lengths(client: redis.RedisCluster, count: int) -> list[int]:

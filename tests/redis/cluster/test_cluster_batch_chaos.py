@@ -30,21 +30,14 @@ import pytest
 from producer.batches import keys
 from producer.shards import key_slot
 from tests.rigs.chaos import GatewayProcess, WorkerProcess, batch, report, wait_until
-from tests.rigs.cluster import ClusterRig, cluster, flush
+from tests.rigs.cluster import ClusterRig, cluster, rig
 from tests.rigs.tiny_encoders import build_tiny_encoder
 
-__all__ = ["cluster"]  # the fixture, imported for pytest
+__all__ = ["cluster", "rig"]  # the fixtures, imported for pytest
 MODEL = "encoder"
 LINES = 1800
 STEP = 200  # lines completed between one kill and the next
 GATEWAY_FLAGS = ("--redis-cluster", "true")
-
-
-@pytest.fixture
-def rig(cluster: ClusterRig) -> ClusterRig:
-    wait_until(cluster.healthy, 20, "the cluster is not healthy")
-    flush(cluster)
-    return cluster
 
 
 @pytest.fixture(scope="module")

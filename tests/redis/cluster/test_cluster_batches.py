@@ -38,21 +38,14 @@ from producer.batches import keys, scripts
 from producer.batches.store import BatchStore
 from producer.shards import key_slot
 from tests.e2e.test_gateway import free_port, sdk
-from tests.rigs.cluster import ClusterRig, cluster, cluster_worker, flush
+from tests.rigs.cluster import ClusterRig, cluster, cluster_worker, rig
 from tests.rigs.paths import REPO_ROOT
 from tests.rigs.servers import wait_until
 from tests.rigs.tiny_encoders import build_tiny_encoder
 
-__all__ = ["cluster"]  # the fixture, imported for pytest
+__all__ = ["cluster", "rig"]  # the fixtures, imported for pytest
 MODEL = "encoder"
 FINAL = ("completed", "failed", "expired", "cancelled")
-
-
-@pytest.fixture
-def rig(cluster: ClusterRig) -> ClusterRig:
-    wait_until(cluster.healthy, 20, "the cluster is not healthy")
-    flush(cluster)
-    return cluster
 
 
 @pytest.fixture(scope="module")

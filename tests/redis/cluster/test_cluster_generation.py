@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,11 @@ from producer.replicas import ReplicaCount
 from producer.shards import key_slot, shard_answered_key, shard_stream_key, shard_token_stream_key
 from tests.redis.cluster.test_cluster import worker_process
 from tests.redis.single.test_generation_durability import entries_of
-from tests.rigs.cluster import ClusterRig, cluster, cluster_worker, flush, paused
+from tests.rigs.cluster import ClusterRig, cluster, cluster_worker, paused, rig
 from tests.rigs.servers import wait_until
 from tests.rigs.tiny_lm import build_tiny_lm
 
-__all__ = ["cluster"]  # the fixture, imported for pytest
+__all__ = ["cluster", "rig"]  # the fixtures, imported for pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPTS = ["the quick brown fox", "redis streams carry requests", "hello world, hello",
            "what is the capital of", "continuous batching lets new", "the lazy dog"]
@@ -35,13 +34,6 @@ PROMPTS = ["the quick brown fox", "redis streams carry requests", "hello world, 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_lm(tmp_path_factory.mktemp("tiny-cluster"))
-
-
-@pytest.fixture
-def rig(cluster: ClusterRig) -> Iterator[ClusterRig]:
-    wait_until(cluster.healthy, 20, "the cluster is not healthy")
-    flush(cluster)
-    yield cluster
 
 
 def options(tiny_path: Path) -> dict[str, Any]:

@@ -13,8 +13,7 @@ import redis
 
 from producer import connection
 from producer.shards import key_slot, shard_reply_key, shard_stream_key
-from tests.rigs.cluster import ClusterRig, cluster, flush, paused
-from tests.rigs.servers import wait_until
+from tests.rigs.cluster import ClusterRig, cluster, paused, rig
 from worker.observe import metrics
 from worker.settings import load_settings
 from worker.streams.replier import REPLY_AND_ACK, Reply
@@ -22,16 +21,9 @@ from worker.streams.shard_replies import PUSH_ONCE, ShardedReplier
 from worker.streams.sharding import sharded_parts
 from worker.streams.shards import tagged, untagged
 
-__all__ = ["cluster"]  # the fixture, imported for pytest
+__all__ = ["cluster", "rig"]  # the fixtures, imported for pytest
 SHARDS = 6
 CONSUMER = "c"
-
-
-@pytest.fixture
-def rig(cluster: ClusterRig) -> ClusterRig:
-    wait_until(cluster.healthy, 20, "the cluster is not healthy")
-    flush(cluster)
-    return cluster
 
 
 def sharded_replier(client: Any, url: str, wait_ms: int) -> ShardedReplier:
