@@ -33,7 +33,8 @@ def rendered(template: str, payload_messages: list[dict[str, Any]]) -> str:
 def test_a_template_without_tools_gets_the_plain_text_form() -> None:
     assert rendered(PLAIN, AFTER_CALL) == (
         "<user>Weather in Paris?\n"
-        '<assistant>{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '<assistant><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '</tool_call>\n'
         "<user>Result of get_weather (call_1):\n18 C, sunny\n")
 
 

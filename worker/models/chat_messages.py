@@ -8,7 +8,9 @@ that speaks tools (its text uses `tool_calls`) gets them as Hugging Face's templ
 (arguments as an object). Any other gets this plain-text form (docs/protocol.md):
 
     assistant: its content, then each call on a line of its own as
-        {"name": ..., "arguments": ...} (the form producer/gateway/tool_calls.py asks for)
+        <tool_call>{"name": ..., "arguments": ...}</tool_call> (the form a `tool_choice`
+        "auto" answer takes, producer/gateway/tool_auto.py: a model shown its earlier calls
+        so answers the next one so)
     tool: a user message "Result of <the call's function> (<tool_call_id>):\n<content>"
 """
 
@@ -92,8 +94,8 @@ def _plain(message: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
                                            f"({call_id}):\n{message['content']}"}
     if "tool_calls" not in message:
         return message
-    lines = [json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)})
-             for c in message["tool_calls"]]
+    lines = [f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)})}"
+             "</tool_call>" for c in message["tool_calls"]]
     text = "\n".join(([message["content"]] if message["content"] else []) + lines)
     return {"role": message["role"], "content": text}
 
