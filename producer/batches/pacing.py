@@ -44,3 +44,15 @@ class Moved(IntEnum):
     IDLE = 0  # nothing in flight: nothing can move before the next poll
     WAITING = 1  # lines in flight, none answered yet: their replies come within a batch
     MOVED = 2  # lines settled or admitted: the next replies are already due
+
+
+def movement(changed: bool, queued: int) -> Moved:
+    """A step that settled or admitted lines moved; else it waits on `queued` lines in the
+    stream or on a worker (their replies come within a batch), or has none to wait on."""
+    return Moved.MOVED if changed else Moved.WAITING if queued > 0 else Moved.IDLE
+
+
+def admission_order(sizes: list[int]) -> list[int]:
+    """Line numbers, shortest line first: a window's lines share few length buckets, so the
+    workers batch them full (in file order a window of 256 gave 19-row batches, not 27)."""
+    return sorted(range(len(sizes)), key=sizes.__getitem__)

@@ -25,7 +25,7 @@ import structlog
 
 from producer.async_client import AsyncClient
 from producer.batches import keys, lines, objects
-from producer.batches.pacing import Moved, Pacing, backlog_room
+from producer.batches.pacing import Moved, Pacing, admission_order, backlog_room, movement
 from producer.batches.settling import Settlement, answered_bit, envelopes_of, settle
 from producer.batches.store import READ_WINDOW, BatchStore
 from producer.errors import Overloaded
@@ -152,9 +152,7 @@ class Runner:
             errors = await self.model_problems(checker.model, endpoint)
         status = objects.FAILED if errors else objects.IN_PROGRESS
         listed = jsonio.dumps({"object": "list", "data": errors}).decode() if errors else ""
-        # shortest first: a window's lines share few length buckets, so the workers batch
-        # them full (in file order a window of 256 gave 19-row batches, not 27)
-        order = [] if errors else sorted(range(len(sizes)), key=sizes.__getitem__)
+        order = [] if errors else admission_order(sizes)
         await self.store.start(batch_id, status, int(time.time()), checker.lines, listed,
                                checker.model or "", order)
         log.info("batch_validated", batch=batch_id, status=status, lines=checker.lines)
@@ -187,7 +185,7 @@ class Runner:
         # in the model's stream or being computed: in flight, no reply yet, not due again
         queued = flying - waiting - len(due)
         admitted = await self.admit(batch_id, meta, flying - len(due), due, queued)
-        return Moved.MOVED if admitted or replies else Moved.WAITING if queued else Moved.IDLE
+        return movement(bool(admitted or replies), queued)
 
     async def settle_replies(self, batch_id: str, meta: dict[bytes, bytes],
                              replies: list[bytes], done: bytes) -> int:

@@ -62,8 +62,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         fields["max_tokens"] = fields.pop("max_completion_tokens")
     messages = parse_messages(fields.get("messages"))
     tools, mode = tool_fields(fields, messages)
-    request = _request(CHAT, fields, {"messages": messages, **tools}, mode != NONE)
-    return replace(request, tool_auto=True) if mode == AUTO else request
+    return _request(CHAT, fields, {"messages": messages, **tools}, mode)
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -82,7 +81,7 @@ def _fields(body: Any, known: set[str]) -> dict[str, Any]:
 
 
 def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any],
-             tool: bool = False) -> GenerationRequest:
+             tool: str = NONE) -> GenerationRequest:
     model = fields.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
@@ -94,11 +93,11 @@ def _request(kind: str, fields: dict[str, Any], payload: dict[str, Any],
         raise invalid("'stream' must be a boolean", "stream")
     payload.update(sampling_fields(fields))
     payload.update(logprob_fields(kind == CHAT, fields))
-    if not tool:
+    if tool == NONE:
         payload.update(structured_fields(fields))
     payload["stream"] = stream
     return GenerationRequest(kind, model, payload, stream, _include_usage(fields, stream), n,
-                             tool_call=tool)
+                             tool_call=tool != NONE, tool_auto=tool == AUTO)
 
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:

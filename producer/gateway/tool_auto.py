@@ -60,21 +60,23 @@ class MarkerHold:
     """A streamed "auto" answer's deltas, kept back while it may still become a call."""
 
     def __init__(self) -> None:
-        self.text = ""
+        self.text, self.kind = "", OPEN_
         self.held: list[dict[str, Any]] = []
 
     def take(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         """The deltas to send now: none while the answer may be a call, else all held."""
-        self.text += str(delta.get("text", ""))
         self.held.append(delta)
-        if state(self.text) != TEXT:
+        if self.kind == OPEN_:  # decided once: text or a call stays so, whatever follows
+            self.text += str(delta.get("text", ""))
+            self.kind = state(self.text)
+        if self.kind != TEXT:
             return []
         released, self.held = self.held, []
         return released
 
     def is_call(self) -> bool:
         """Whether the answer so far began a call (sent whole, or as text if cut, at the end)."""
-        return state(self.text) == CALL
+        return self.kind == CALL
 
     def flush(self) -> list[dict[str, Any]]:
         """At the end, the deltas still held of an answer that is not a call."""

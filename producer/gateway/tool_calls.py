@@ -55,7 +55,7 @@ def tool_fields(fields: dict[str, Any], messages: list[dict[str, Any]]
         raise invalid(f"'tools' make a grammar over {MAX_GRAMMAR_CHARS} bytes", "tools")
     listed = _listed(chosen)
     _describe(messages, tool_auto.described(listed) if auto else _described(listed))
-    return ({"structured_outputs": {"grammar": grammar}}, AUTO) if grammar else \
+    return ({"structured_outputs": {"grammar": grammar}}, AUTO) if auto else \
         ({"structured_outputs": {"json": schema}}, FORCED)
 
 

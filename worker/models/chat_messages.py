@@ -94,8 +94,9 @@ def _plain(message: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
                                            f"({call_id}):\n{message['content']}"}
     if "tool_calls" not in message:
         return message
-    lines = [f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)})}"
-             "</tool_call>" for c in message["tool_calls"]]
+    calls = [{"name": c["function"]["name"], "arguments": _arguments(c)}
+             for c in message["tool_calls"]]
+    lines = [f"<tool_call>{json.dumps(call)}</tool_call>" for call in calls]
     text = "\n".join(([message["content"]] if message["content"] else []) + lines)
     return {"role": message["role"], "content": text}
 

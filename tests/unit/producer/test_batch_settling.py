@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from producer.batches import keys, lines
-from producer.batches.pacing import backlog_room
+from producer.batches.pacing import Moved, admission_order, backlog_room, movement
 from producer.batches.settling import answered_bit, settle
 
 BATCH = "batch_" + "a" * 24
@@ -88,3 +88,14 @@ def test_the_backlog_room_shrinks_to_the_busy_backlog_while_online_requests_wait
     assert backlog_room(64, 2, 5, 1) == 1  # online requests wait: at most 2 of the batch's
     assert backlog_room(64, 2, 5, 3) == -1  # already over: admit none
     assert backlog_room(64, 2, 70, 0) == -6  # the backlog is full anyway
+
+
+def test_a_step_that_waits_on_lines_in_flight_looks_again_soon() -> None:
+    assert movement(True, 0) is Moved.MOVED  # settled or admitted: the next replies are due
+    assert movement(False, 3) is Moved.WAITING  # lines queued or computing: replies soon
+    assert movement(False, 0) is Moved.IDLE  # nothing to wait on: the idle poll
+
+
+def test_lines_are_admitted_shortest_first_ties_in_file_order() -> None:
+    assert admission_order([30, 5, 30, 1]) == [3, 1, 0, 2]
+    assert admission_order([]) == []
