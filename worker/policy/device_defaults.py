@@ -7,8 +7,11 @@ batch may hold 512 requests and 65,536 padded tokens (512 texts of a 128-token b
 batch in each of two instances while the next two fill. Its buckets are the model's own,
 thinned to steps of at least 1.5x: padding costs a GPU little next to a smaller batch, and
 each bucket is a set of CUDA graphs to capture. These figures come from that one
-measurement and are re-measured by `python -m bench.gpu_check`. Pure: a device type in,
-settings out; a setting the user set is never replaced.
+measurement and are re-measured by `python -m bench.gpu_check`. Batch jobs' lines may take
+a quarter of a GPU's time beside online calls, not a CPU's 0.15: on a CPU the gateway and
+Redis share the cores with the worker, so busy cores slow the online calls' whole path
+(policy/background.py), while a GPU's time is the worker's alone (not yet measured on one).
+Pure: a device type in, settings out; a setting the user set is never replaced.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ class Configured(Protocol):
 
 SettingsT = TypeVar("SettingsT", bound=Configured)
 
-CUDA_BATCH_DEFAULTS: Mapping[str, int] = {
+CUDA_BATCH_DEFAULTS: Mapping[str, float] = {
     "max_batch_size": 512,  # sentence-transformers' best batch on an H200 (issue 31)
     "max_batch_tokens": 65_536,  # 512 x 128 tokens: the batch above at a common length
     "max_inflight": 4_096,  # 2 instances x (a batch computing + one filling) x 512, doubled
+    "background_share": 0.25,  # batch jobs' lines beside online calls (see above)
 }
 # Handed to a child process only when set: it resolves them for its own device (and says
 # why graphs are skipped only if they were asked for).
