@@ -8,7 +8,7 @@ batch in each of two instances while the next two fill. Its buckets are the mode
 thinned to steps of at least 1.5x: padding costs a GPU little next to a smaller batch, and
 each bucket is a set of CUDA graphs to capture. These figures come from that one
 measurement and are re-measured by `python -m bench.gpu_check`. Batch jobs' lines may take
-a quarter of a GPU's time beside online calls, not a CPU's 0.15: on a CPU the gateway and
+a quarter of a GPU's time beside online calls, not a CPU's 0.1: on a CPU the gateway and
 Redis share the cores with the worker, so busy cores slow the online calls' whole path
 (policy/background.py), while a GPU's time is the worker's alone (not yet measured on one).
 Pure: a device type in, settings out; a setting the user set is never replaced.
