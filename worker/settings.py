@@ -111,7 +111,7 @@ class Settings(BaseSettings):
     background_rows: int = Field(4, ge=0, description=(
         "most priority < 0 requests (batch jobs' lines) in a batch while online ones came "
         "within background_quiet_ms: online calls wait behind short batches only; 0: none"))
-    # 0.1 on a CPU: the online p99 x1.04 beside a batch at 54-59 lines/s; 0.15: x1.07-1.18;
+    # 0.1 on a CPU: the online p99 x1.04-1.21 beside a batch at 54-59 lines/s; 0.15: x1.07-1.18;
     # 0.25: x1.22-1.34 (docs/gateway.md; CUDA's 0.25: policy/device_defaults.py)
     background_share: float = Field(0.1, gt=0, le=1, description=(
         "the most of the time batches of priority < 0 requests alone take meanwhile "
