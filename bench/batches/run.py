@@ -266,6 +266,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "batch_over_producer": median(ratios), "ratios": ratios,
             "online_capacity_per_s": capacity, "latency": latency,
             "separate_runner": args.separate_runner,
+            # settings given to the worker and gateway through the environment (a sweep's)
+            "settings_env": {k: v for k, v in os.environ.items() if k.startswith("REDBATCH_")
+                             and k != "REDBATCH_BATCH_RUNNER"},
             "command": " ".join(["python -m bench.batches", *sys.argv[1:]])}
 
 
