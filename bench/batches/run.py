@@ -197,6 +197,8 @@ def beside_a_batch(redis_url: str, base_url: str, texts: list[str], rate: float,
 
 def one_round(redis_url: str, base_url: str, texts: list[str], rate: float, seconds: float,
               beside_first: bool = False) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """One phase alone and one beside a batch, in the order asked: the round's summary
+    and each phase's latencies (for the pooled p99)."""
     def alone() -> tuple[dict[str, Any], list[float], int]:
         return (*asyncio.run(online(base_url, texts, rate, seconds)), 0)
 

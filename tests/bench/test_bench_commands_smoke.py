@@ -114,10 +114,12 @@ def test_the_latency_simulator_runs_every_goal_for_every_policy(tmp_path: Path) 
 @pytest.mark.skipif(system_redis() is None or not shutil.which("redis-cli"),
                     reason="needs Redis 7+ and redis-cli")
 def test_the_cluster_comparison_drains_every_target(tmp_path: Path) -> None:
-    """4,000 echo requests (fewer are drained between two polls: nothing to time), once per
-    target. ~18 s: the cluster's start (7 s) and a worker process per target."""
+    """12,000 echo requests, once per target: the fastest drains them in ~0.4 s, so a poll
+    held up on a busy machine still leaves a window to time (at 4,000, one poll once saw most
+    of the drain, and the worker's CPU read 0). ~20 s: the cluster's start (7 s) and a
+    worker process per target."""
     out = tmp_path / "cluster"
-    markdown = bench("bench.redis_cluster", "--requests", "4000", "--repeats", "1",
+    markdown = bench("bench.redis_cluster", "--requests", "12000", "--repeats", "1",
                      "--out", str(out))
     result = json.loads(out.with_suffix(".json").read_text())
     targets = result["targets"]
