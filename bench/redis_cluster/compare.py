@@ -113,8 +113,7 @@ def drain_rate(client: Any, snapshot: Callable[[], dict[int, float]], keys: list
         time.sleep(POLL_S)
     (t0, n0, cpu0), (t1, n1, cpu1) = marks
     if n1 - n0 < requests // 2:  # one poll saw most of it: CPU times move in 10 ms ticks
-        raise RuntimeError(f"{n1 - n0} of {requests} answered between the marks, the drain "
-                           "was too fast to time: raise --requests")
+        raise RuntimeError(f"{n1 - n0} of {requests} timed: too fast, raise --requests")
     return (n1 - n0) / (t1 - t0), {k: (cpu1[k] - cpu0[k]) / (n1 - n0) for k in cpu1}
 
 
