@@ -197,21 +197,21 @@ def beside_a_batch(redis_url: str, base_url: str, texts: list[str], rate: float,
 
 def one_round(redis_url: str, base_url: str, texts: list[str], rate: float, seconds: float,
               beside_first: bool = False) -> tuple[dict[str, Any], dict[str, list[float]]]:
-    """One phase alone and one beside a batch, in the order asked: the round's summary
-    and each phase's latencies (for the pooled p99)."""
-    def alone() -> tuple[dict[str, Any], list[float], int]:
+    """Alone and beside a batch, in the order asked: the round's summary, each phase's latencies."""
+    def run_alone() -> tuple[dict[str, Any], list[float], int]:
         return (*asyncio.run(online(base_url, texts, rate, seconds)), 0)
 
-    def beside() -> tuple[dict[str, Any], list[float], int]:
+    def run_beside() -> tuple[dict[str, Any], list[float], int]:
         return beside_a_batch(redis_url, base_url, texts, rate, seconds)
 
-    phases = [("beside_batch", beside), ("alone", alone)]
+    phases = [("beside_batch", run_beside), ("alone", run_alone)]
     ran = {name: phase() for name, phase in (phases if beside_first else phases[::-1])}
-    (lone, apart, _), (near, latencies, done) = ran["alone"], ran["beside_batch"]
-    return {"alone": lone, "beside_batch": near, "beside_first": beside_first,
-            "p99_ratio": near["p99_ms"] / lone["p99_ms"] if lone["p99_ms"] else None,
+    (alone, alone_latencies, _), (beside, beside_latencies, done) = \
+        ran["alone"], ran["beside_batch"]
+    return {"alone": alone, "beside_batch": beside, "beside_first": beside_first,
+            "p99_ratio": beside["p99_ms"] / alone["p99_ms"] if alone["p99_ms"] else None,
             "batch_lines_done_meanwhile": done, "batch_lines_per_s": done / seconds
-            }, {"alone": apart, "beside_batch": latencies}
+            }, {"alone": alone_latencies, "beside_batch": beside_latencies}
 
 
 @contextmanager
