@@ -22,7 +22,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check worker producer tests bench
-	$(PY) -m mypy worker producer
+	$(PY) -m mypy worker producer bench
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test,bench]'

@@ -11,7 +11,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,7 +65,7 @@ class Workers:
         self.log_dir = log_dir
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self) -> Workers:
+    def start(self) -> Self:
         """Start the processes without waiting for them (see wait_until_reading)."""
         env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}"
                f"{os.environ.get('PYTHONPATH', '')}"}
@@ -76,7 +76,7 @@ class Workers:
                     cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         return self
 
-    def __enter__(self) -> Workers:
+    def __enter__(self) -> Self:
         return self.start()
 
     def wait_until_reading(self, timeout_s: float = 120.0) -> None:

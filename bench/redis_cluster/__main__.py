@@ -2,4 +2,4 @@
 
 from bench.redis_cluster.compare import main
 
-raise SystemExit(main())
+main()

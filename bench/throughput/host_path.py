@@ -29,11 +29,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
@@ -114,8 +114,8 @@ def one_round(client: redis.Redis, name: str, data: Sequence[bytes]) -> float:
     started = time.perf_counter()
     pipe = client.pipeline(transaction=False)
     for n, payload in enumerate(data):
-        pipe.xadd(stream, request_entry.entry_fields(f"{reply_to}:{n}", payload,
-                                                     reply_to=reply_to))
+        fields: Any = request_entry.entry_fields(f"{reply_to}:{n}", payload, reply_to=reply_to)
+        pipe.xadd(stream, fields)
     pipe.execute()
     deadline = started + 120
     while client.llen(reply_to) < len(data):
@@ -123,7 +123,7 @@ def one_round(client: redis.Redis, name: str, data: Sequence[bytes]) -> float:
             raise RuntimeError(f"{name}: {client.llen(reply_to)} of {len(data)} replies")
         time.sleep(0.002)
     seconds = time.perf_counter() - started
-    replies = client.lrange(reply_to, 0, 5)
+    replies = cast(list[bytes], client.lrange(reply_to, 0, 5))  # no decode_responses
     client.delete(reply_to)
     bad = [e for e in map(protocol.decode_envelope, replies) if not e["ok"]]
     if bad:
@@ -131,7 +131,7 @@ def one_round(client: redis.Redis, name: str, data: Sequence[bytes]) -> float:
     return len(data) / seconds
 
 
-def rates(url: str, models: dict[str, Model], data: dict[str, Sequence[bytes]], rounds: int,
+def rates(url: str, models: dict[str, Model], data: Mapping[str, Sequence[bytes]], rounds: int,
           layout: Layout) -> dict[str, list[float]]:
     """Texts/s of each model, round by round, the variants taking turns. Each variant's
     first round is not counted: in a fresh process it ran at 0.5-0.6x the later rounds

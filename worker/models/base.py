@@ -79,6 +79,8 @@ class Model(ABC):
     #: where the model may keep what it derives from its weights between starts (a GGUF
     #: file's dequantised tensors), set by the worker before load(); None: keep nothing
     cache_dir: Path | None = None
+    #: where load() put it
+    device: torch.device
 
     @property
     def precision_name(self) -> str:

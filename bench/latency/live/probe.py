@@ -77,7 +77,7 @@ def analyse(events: dict[str, list[Any]], window: tuple[float, float] | None = N
     print("entries per read:", spread([n for _, _, n, *_ in reads]))
     print("XADD -> read, oldest of a read (ms):", spread([s - lo for s, _, n, lo, _ in reads if n]))
     print("refusal: XADD -> decided (ms):", spread([d - x for x, _, d in refused]))
-    written = {}
+    written: dict[float, list[float]] = {}
     for enq, end, status, *_ in events["answers"]:
         if status == "overloaded":
             written.setdefault(enq, []).append(end)
@@ -130,7 +130,7 @@ def timeline(events: dict[str, list[Any]]) -> None:
           "per_item queued busy_in")
     for second in sorted(per):
         s = per[second]
-        pol = s["pol"] or (0, 0, 0, 0, 0, [])
+        pol: Any = s["pol"] or (0, 0, 0, 0, 0, [])
         mean = sum(s["sizes"]) / max(1, len(s["sizes"]))
         print(f"{second:3d} {percentile(s['lat'], 0.99):6.1f} {max(s['lat'], default=0):6.1f} | "
               f"{len(s['sizes']):3d} {mean:5.1f} {max(s['wait'], default=0):6.1f} {s['why']} | "

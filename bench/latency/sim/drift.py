@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from bench.latency.live.run import positive_int
@@ -48,8 +49,7 @@ def scenario(fixed_ms: float, per_token_ms: float, instances: int,
 def policies(s: Scenario) -> dict[str, Callable[[], object]]:
     chosen = dict(contenders(s))
     for wait, size in STATICS:
-        chosen[f"static wait {wait:g} batch {size}"] = \
-            lambda wait=wait, size=size: static(s, wait, size)
+        chosen[f"static wait {wait:g} batch {size}"] = partial(static, s, wait, size)
     return chosen
 
 
