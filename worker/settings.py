@@ -115,7 +115,7 @@ class Settings(BaseSettings):
     # 0.25: x1.22-1.34 (docs/gateway.md; CUDA's 0.25: policy/device_defaults.py)
     background_share: float = Field(0.1, gt=0, le=1, description=(
         "the most of the time batches of priority < 0 requests alone take meanwhile "
-        "(CUDA: 0.25 unless set)"))
+        "(CUDA: 0.25 unless set); with latency_target_ms, the least (it grows within it)"))
     background_quiet_ms: int = Field(1000, ge=0, description="online quiet this long: no cap")
     max_inflight: int = Field(512, gt=0, description="entries read, not yet answered; on "
                               "CUDA 4096 unless set")

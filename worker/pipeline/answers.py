@@ -30,6 +30,7 @@ class Answer:
     envelope: dict[str, Any]
     enqueued_ms: int  # the XADD time, read from the entry id once per request
     stream_index: int = 0  # above 0: the `done` entry <index>-1 of a reply stream (generative)
+    background: bool = False  # a batch job's line: not held to the latency target
 
     @property
     def status(self) -> str:
@@ -40,7 +41,7 @@ def error_answer(entry_id: str, request: Request, code: ErrorCode, message: str,
                  **details: Any) -> Answer:
     return Answer(entry_id, request.reply_to, request.content_type,
                   protocol.error_envelope(request.id, code, message, **details),
-                  arrival_ms(entry_id, time.time() * 1000))
+                  arrival_ms(entry_id, time.time() * 1000), background=request.priority < 0)
 
 
 def refused_answer(pending: Pending, admission: Admission) -> Answer:
@@ -90,7 +91,8 @@ def result_answers(batch: Batch, results: Sequence[Any], meta: dict[str, Any],
             continue
         answers.append(Answer(pending.entry_id, request.reply_to, request.content_type,
                               protocol.success_envelope(request.id, result, {
-                                  **meta, "queue_ms": waited_ms}), enqueued))
+                                  **meta, "queue_ms": waited_ms}), enqueued,
+                              background=request.priority < 0))
     return answers
 
 

@@ -144,6 +144,9 @@ class ComputeLoop:
             fit = self.latency.model.fit(batch.bucket)
             fixed, per_token = fit.fixed, fit.per_token
             self.batcher.finished(batch, compute_s * 1000, int(now_ms))
+            if self.latency.target_ms < float("inf"):  # batch lines take what it leaves
+                self.batcher.background.steer(self.latency.margin.observed.value(0.0),
+                                              self.latency.target_ms, now_ms)
             if self.batcher.targeted is not None:
                 self.batcher.targeted.finished(batch, compute_s * 1000)
             if self.controller is not None:

@@ -30,12 +30,13 @@ def final_answer(entry_id: str, request: Request, envelope: dict[str, Any],
                  namespace: str, stream: bool, chunks_written: int) -> Answer:
     """The last answer of a generation: a `done` entry after the chunks on the reply
     stream, or the envelope alone on the list reply key."""
-    arrived = arrival_ms(entry_id, time.time() * 1000)
+    arrived, background = arrival_ms(entry_id, time.time() * 1000), request.priority < 0
     if not stream:
-        return Answer(entry_id, request.reply_to, request.content_type, envelope, arrived)
+        return Answer(entry_id, request.reply_to, request.content_type, envelope, arrived,
+                      background=background)
     key = protocol.token_stream_key(namespace, request.id, request.reply_to)
     return Answer(entry_id, key, request.content_type, {**envelope, "type": "done"},
-                  arrived, stream_index=chunks_written + 1)
+                  arrived, stream_index=chunks_written + 1, background=background)
 
 
 def routed_error(answer: Answer, request: Request, namespace: str, stream: bool) -> Answer:

@@ -101,10 +101,9 @@ class ReplyWriter:
 
     def _observe_latency(self, written_ms: float, answered: list[Answer],
                          latencies_s: list[float]) -> None:
-        """Served answers steer the safety margin (refusals are not latencies)."""
+        """Served online answers steer the safety margin."""
         assert self.latency is not None
-        served = [s * 1000 for a, s in zip(answered, latencies_s, strict=True)
-                  if a.envelope["ok"]]
+        served = served_online_ms(answered, latencies_s)
         with self.inflight.lock:
             self.latency.answered(written_ms, served)
             observed = self.latency.margin.observed.value(0.0)
@@ -143,6 +142,13 @@ class ReadTimeAnswers:
         count_written(self.model_name, [a for a in now if a.entry_id not in dropped],
                       time.time() * 1000)
         self.inflight.release(a.entry_id for a in now)
+
+
+def served_online_ms(answered: list[Answer], latencies_s: list[float]) -> list[float]:
+    """The latencies the target is held to: refusals are not latencies, and batch jobs'
+    lines wait behind online calls by design."""
+    return [s * 1000 for a, s in zip(answered, latencies_s, strict=True)
+            if a.envelope["ok"] and not a.background]
 
 
 def count_written(model_name: str, answered: list[Answer], written_ms: float) -> list[float]:

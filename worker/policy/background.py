@@ -11,6 +11,10 @@ A batch is not preemptible, so while an online request arrived within `quiet_ms`
   kept busy by background rows starves the processes that carry the online calls (their
   p99 grew 20x beside a batch before this); on a GPU the device is still shared.
 Once online traffic is quiet, background batches run as large and as often as they can.
+
+Under a latency target the share is steered (`steer`): it grows while the online
+percentile is well under the target and falls back to the configured share once it nears
+it, so a batch takes the headroom a target leaves, and only that.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NEVER = -(1 << 62)
+STEER_MS = 500  # at most one step of the share this often
+STEER_GROW = 1.25  # the share's step up while the online percentile is under STEER_ROOM
+STEER_ROOM = 0.4  # of the target: the online percentile under this leaves room to grow
+STEER_BACK = 0.6  # of the target: over this the share is the configured one again
 
 
 @dataclass(slots=True)
@@ -27,6 +35,11 @@ class BackgroundPacing:
     share: float = 1.0  # 1: no pacing
     online_ms: int = NEVER  # when the last online request arrived (its XADD time)
     resume_ms: float = NEVER  # no background rows before this while online is recent
+    floor: float = 0.0  # the configured share, what `steer` falls back to (0: share's)
+    steered_ms: float = NEVER
+
+    def __post_init__(self) -> None:
+        self.floor = self.floor or self.share
 
     def online_arrived(self, enqueued_ms: int) -> None:
         self.online_ms = max(self.online_ms, enqueued_ms)
@@ -57,3 +70,20 @@ class BackgroundPacing:
         if background and rows and self.share < 1.0 and self.online_recent(now_ms):
             spent = compute_ms * background / rows
             self.resume_ms = max(self.resume_ms, now_ms) + spent * (1.0 / self.share - 1.0)
+
+    def steer(self, observed_ms: float, target_ms: float, now_ms: float) -> None:
+        """Under a latency target: the online requests' observed percentile well under it
+        (under STEER_ROOM of it) grows the share step by step, up to all of the time; near
+        it (over STEER_BACK) the share is the configured one again at once. Why: the
+        configured share is what holds an online p99 without a target to aim at (within
+        ~10 % of its own on a CPU); a target says how much more latency is acceptable. The
+        thresholds are cautious because the worker's percentile leaves out the gateway's
+        part, which batch lines slow too on shared cores (0.5 / 0.8 let 2 rounds of 8 past a
+        100 ms target end to end, bench.batches; 0.4 / 0.6 none, docs/gateway.md)."""
+        if now_ms - self.steered_ms < STEER_MS:
+            return
+        self.steered_ms = now_ms
+        if observed_ms > STEER_BACK * target_ms:
+            self.share = self.floor
+        elif observed_ms < STEER_ROOM * target_ms:
+            self.share = min(1.0, self.share * STEER_GROW)

@@ -1,12 +1,16 @@
 """Background requests (priority < 0, batch jobs' lines) beside online ones: a batch holds
 at most `background_rows` of them while online requests keep arriving, and absorbs no
-bucket holding any; once online traffic is quiet they batch as large as the limits allow."""
+bucket holding any; once online traffic is quiet they batch as large as the limits allow.
+Under a latency target their share of the time follows the online percentile."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from worker.policy.background import STEER_BACK, STEER_GROW, STEER_MS, STEER_ROOM, BackgroundPacing
 from worker.policy.batching import Batcher, BatchLimits, Pending
 
 
@@ -145,3 +149,34 @@ def test_background_batches_while_online_is_quiet_leave_no_rest_to_pay_later() -
     b.add(pending(31, -1, at_ms=61_100))
     batch = b.next_batch(1.0, 61_100)
     assert batch is not None and [p.request.priority for p in batch.members] == [0, -1]
+
+
+def test_under_a_latency_target_the_share_grows_while_online_calls_are_well_within_it() -> None:
+    pacing = BackgroundPacing(rows=4, share=0.1)
+    for step in range(12):  # the online percentile at 30 % of the target, step after step
+        pacing.steer(30.0, 100.0, 1_000 + step * STEER_MS)
+    assert pacing.share == pytest.approx(min(1.0, 0.1 * STEER_GROW ** 12))
+    pacing.steer(30.0, 100.0, 1_000 + 12 * STEER_MS - 1)  # too soon: no step
+    assert pacing.share == pytest.approx(min(1.0, 0.1 * STEER_GROW ** 12))
+
+
+def test_near_the_target_the_share_is_the_configured_one_again_at_once() -> None:
+    pacing = BackgroundPacing(rows=4, share=0.1)
+    for step in range(8):
+        pacing.steer(30.0, 100.0, step * STEER_MS)
+    between = (STEER_ROOM + STEER_BACK) / 2 * 100.0
+    pacing.steer(between, 100.0, 8 * STEER_MS)  # between room and back: held where it is
+    held = pacing.share
+    assert held > 0.5
+    pacing.steer(STEER_BACK * 100.0 + 1, 100.0, 9 * STEER_MS)
+    assert (held, pacing.share) == (held, 0.1)
+
+
+def test_a_grown_share_shortens_the_rest_batch_lines_pay() -> None:
+    configured, grown = BackgroundPacing(share=0.1), BackgroundPacing(share=0.1)
+    for step in range(4):
+        grown.steer(10.0, 100.0, step * STEER_MS)
+    for pacing in (configured, grown):
+        pacing.online_arrived(10_000)
+        pacing.finished(background=4, rows=4, compute_ms=10.0, now_ms=10_000)
+    assert grown.held_ms(10_000) < configured.held_ms(10_000) == pytest.approx(90.0)
