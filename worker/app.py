@@ -36,6 +36,7 @@ from worker.models import Model
 from worker.models.generative import CausalLM
 from worker.observe.startup import logged_step
 from worker.pipeline.worker import GenerationParts, Parts, Worker
+from worker.policy.background import BackgroundPacing
 from worker.policy.batching import Batcher, BatchLimits
 from worker.policy.controllers import controlled, controller_from_settings, dispatch_rule
 from worker.policy.decoding import DecodingScheduler
@@ -112,11 +113,12 @@ def assemble_worker(settings: Settings, model: Model, executor: Executor,
     lock = threading.Lock()  # the worker's one lock: batcher, governor, in-flight state
     memory = memory_probe(executor.device, settings.memory_limit_bytes)
     executors = [executor] + [executor.another() for _ in range(layout.instances - 1)]
+    batcher = Batcher(boundaries, batch_limits, caps, targeted=dispatch_rule(settings, targeted),
+                      **background_of(settings))
     parts = Parts(
         **redis_parts(settings, client, describe_worker(settings, layout, model, executor.device,
-                                                          targeted, lock)),
-        batcher=Batcher(boundaries, batch_limits, caps, targeted=dispatch_rule(
-            settings, targeted), **background_of(settings)),
+                                                          targeted, batcher.background, lock)),
+        batcher=batcher,
         governor=governor, controller=controller,
         ids=IdClaims(client, settings.namespace, settings.result_ttl_ms),
         runners=[BatchRunner(e, governor, memory, settings.model_name, governing=lock)
@@ -202,10 +204,11 @@ def redis_parts(settings: Settings, client: redis.Redis,
 
 
 def describe_worker(settings: Settings, layout: Layout, model: Model, device: torch.device,
-                    targeted: TargetedDispatch,
+                    targeted: TargetedDispatch, background: BackgroundPacing,
                     lock: threading.Lock) -> Callable[[], dict[str, Any]]:
     """What `stats` shows of this worker: its layout and why, its device, and with a
-    latency target the observed percentile and the margin (read under the worker's lock)."""
+    latency target the observed percentile, the margin and the share of the time batch
+    jobs' lines may take, steered by them (read under the worker's lock)."""
     static = {"layout": layout.describe(), "reason": layout.reason, "device": str(device),
               "dtype": model.precision_name, "dtype_why": model.dtype_reason,
               "model": settings.model,
@@ -217,9 +220,10 @@ def describe_worker(settings: Settings, layout: Layout, model: Model, device: to
     def describe() -> dict[str, Any]:
         with lock:
             observed, margin = policy.margin.observed.value(0.0), policy.margin.ms
+            share = background.share
         return {**static, "latency": {"target_ms": policy.target_ms, "observed_ms": observed,
                                       "percentile": settings.latency_percentile,
-                                      "margin_ms": margin}}
+                                      "margin_ms": margin, "batch_share": share}}
 
     return describe
 

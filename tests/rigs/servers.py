@@ -109,14 +109,19 @@ class RedisNode:
                  password: str | None = None) -> None:
         self.binary, self.dir, self.tls, self.sentinel = binary, directory, tls, sentinel
         self.password = password  # its requirepass, for client()
-        self.port = bus_safe_port()
+        self.lines = lines
         self.dir.mkdir(parents=True, exist_ok=True)
-        ports = ["port 0", f"tls-port {self.port}", *tls.server_lines()] if tls else \
-            [f"port {self.port}"]
         self.conf = self.dir / ("sentinel.conf" if sentinel else "redis.conf")
-        self.conf.write_text("\n".join([*ports, "bind 127.0.0.1", f"dir {self.dir}",
-                                        f"logfile {self.dir / 'redis.log'}", *lines]) + "\n")
+        self.log = self.dir / "redis.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.write_conf(bus_safe_port())
+
+    def write_conf(self, port: int) -> None:
+        self.port = port
+        ports = ["port 0", f"tls-port {port}", *self.tls.server_lines()] if self.tls else \
+            [f"port {port}"]
+        self.conf.write_text("\n".join([*ports, "bind 127.0.0.1", f"dir {self.dir}",
+                                        f"logfile {self.log}", *self.lines]) + "\n")
 
     def client(self, **kwargs: Any) -> redis.Redis:
         tls = self.tls.client_kwargs() if self.tls else {}
@@ -124,16 +129,27 @@ class RedisNode:
                            **{"socket_timeout": 5, **tls, **kwargs})
 
     def start(self, timeout_s: float = 10.0) -> RedisNode:
-        args = [str(self.binary), str(self.conf), *(["--sentinel"] if self.sentinel else [])]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
-        wait_until(lambda: self._answers(), timeout_s, f"{self.conf} did not start")
-        return self
+        """Start it; a port taken since it was picked (a client's ephemeral port can land on
+        a cluster bus port) is picked again, at most twice, before the node has a peer."""
+        for attempt in range(3):
+            args = [str(self.binary), str(self.conf), *(["--sentinel"] if self.sentinel else [])]
+            self.log.unlink(missing_ok=True)  # this attempt's log alone
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+            try:
+                wait_until(lambda: self._answers(), timeout_s, f"{self.conf} did not start")
+                return self
+            except RuntimeError:
+                taken = self.log.exists() and "Address already in use" in self.log.read_text()
+                if not taken or attempt == 2:
+                    raise
+                self.write_conf(bus_safe_port())
+        raise AssertionError("unreachable")
 
     def _answers(self) -> bool:
         assert self.process is not None
         if self.process.poll() is not None:
-            raise RuntimeError(f"redis-server exited; see {self.dir / 'redis.log'}")
+            raise RuntimeError(f"redis-server exited; see {self.log}")
         try:
             with self.client(socket_connect_timeout=0.5) as client:
                 return bool(client.ping())

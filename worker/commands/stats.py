@@ -113,12 +113,14 @@ def describe_state(consumer: ConsumerStats) -> str:
 
 
 def describe_latency(latency: dict[str, float] | None) -> str:
-    """"p99 182 of 250 ms, margin 10 ms", or "—" without a target."""
+    """"p99 182 of 250 ms, margin 10 ms, batch share 0.25" (the share of the time batch
+    jobs' lines may take, which the target steers), or "—" without a target."""
     if not latency:
         return "—"
     name = f"p{latency['percentile'] * 100:g}"
+    share = f", batch share {latency['batch_share']:.2g}" if "batch_share" in latency else ""
     return (f"{name} {latency['observed_ms']:.0f} of {latency['target_ms']:.0f} ms, "
-            f"margin {latency['margin_ms']:.0f} ms")
+            f"margin {latency['margin_ms']:.0f} ms{share}")
 
 
 def render(rows: list[tuple[StreamStats, float | None]], group: str,

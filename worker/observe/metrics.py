@@ -115,6 +115,10 @@ LATENCY_TARGET = Gauge("redbatch_latency_target_seconds", "The end-to-end latenc
 LATENCY_OBSERVED = Gauge("redbatch_latency_observed_seconds",
                          "End-to-end latency at the target percentile, recent window",
                          ["model"], multiprocess_mode="max")
+BATCH_LINE_SHARE = Gauge("redbatch_batch_line_share",
+                         "The share of the time batch jobs' lines may take beside online "
+                         "requests, as the latency target steers it", ["model"],
+                         multiprocess_mode="max")
 LATENCY_MARGIN = Gauge("redbatch_latency_margin_seconds", "The safety margin below deadlines",
                        ["model"], multiprocess_mode="max")
 SERVICE_COST = Gauge("redbatch_service_cost_seconds",

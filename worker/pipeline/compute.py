@@ -132,6 +132,16 @@ class ComputeLoop:
                 self.latency.started(self.instance, batch.bucket, len(batch.members),
                                      batch.longest, time.time() * 1000)
 
+    def _steer_batch_lines(self, now_ms: float) -> float | None:
+        """Under a latency target, batch jobs' lines take the time it leaves: their share,
+        steered by the online percentile (policy/background.py); None without a target."""
+        if self.latency.target_ms == float("inf"):
+            return None
+        background = self.batcher.background
+        background.steer(self.latency.margin.observed.value(0.0), self.latency.target_ms,
+                         now_ms)
+        return background.share
+
     def _finished(self, batch: Batch, compute_s: float, enqueued_ms: Sequence[int]) -> None:
         """The measured time refits the service-time model; its costs are exported. A
         baseline controller sees the members' latencies from their XADD time until now; the
@@ -144,9 +154,7 @@ class ComputeLoop:
             fit = self.latency.model.fit(batch.bucket)
             fixed, per_token = fit.fixed, fit.per_token
             self.batcher.finished(batch, compute_s * 1000, int(now_ms))
-            if self.latency.target_ms < float("inf"):  # batch lines take what it leaves
-                self.batcher.background.steer(self.latency.margin.observed.value(0.0),
-                                              self.latency.target_ms, now_ms)
+            share = self._steer_batch_lines(now_ms)
             if self.batcher.targeted is not None:
                 self.batcher.targeted.finished(batch, compute_s * 1000)
             if self.controller is not None:
@@ -155,6 +163,8 @@ class ComputeLoop:
                 self.batcher.limits = with_controlled(self.batcher.limits, controlled)
         name = self.config.model_name
         bucket = str(batch.bucket)
+        if share is not None:
+            metrics.BATCH_LINE_SHARE.labels(name).set(share)
         metrics.SERVICE_COST.labels(name, bucket, "fixed").set(fixed / 1000)
         metrics.SERVICE_COST.labels(name, bucket, "per_token").set(per_token / 1000)
         if controlled is not None:

@@ -30,7 +30,8 @@ class ConsumerStats:
     pending: int
     idle_ms: int
     layout: str | None = None  # "2 instance(s) x 1 thread(s)", as the worker announced it
-    latency: dict[str, float] | None = None  # target_ms, observed_ms, percentile, margin_ms
+    # target_ms, observed_ms, percentile, margin_ms, batch_share (the steered share)
+    latency: dict[str, float] | None = None
     dtype: str | None = None  # what the model computes in, as the worker announced it
     seen_ms: int | None = None  # when the worker last announced itself (None: never)
     live: bool = False  # announced within LIVE_WITHIN_MS (XINFO idle is no liveness signal)

@@ -57,6 +57,7 @@ def test_a_load_step_holds_the_target(redis_url: str, r: redis.Redis,
              and s.labels["term"] == "fixed"]  # one per bucket that ran batches
     assert any(0.004 < cost < 0.05 for cost in fixed)
     assert metric("redbatch_latency_observed_seconds", model="echo") > 0
+    assert metric("redbatch_batch_line_share", model="echo") > 0  # steered by the target
 
 
 def test_a_deadline_that_cannot_be_met_is_answered_when_read(
@@ -124,6 +125,8 @@ def test_the_stats_line_shows_the_target(redis_url: str, r: redis.Redis,
         announced = json.loads(r.hget("redbatch:workers:echo", worker.settings.consumer) or "{}")
     assert announced["latency"]["target_ms"] == 250.0
     assert {"observed_ms", "margin_ms", "percentile"} <= set(announced["latency"])
+    # steered up from background_share: one call, far within the target
+    assert announced["latency"]["batch_share"] >= worker.settings.background_share
 
 
 
@@ -134,6 +137,9 @@ def test_stats_shows_the_target_the_observed_percentile_and_the_margin() -> None
     shown = describe_latency({"target_ms": 250.0, "observed_ms": 182.4, "percentile": 0.99,
                               "margin_ms": 10.0})
     assert shown == "p99 182 of 250 ms, margin 10 ms"
+    steered = describe_latency({"target_ms": 250.0, "observed_ms": 82.0, "percentile": 0.99,
+                                "margin_ms": 0.0, "batch_share": 0.3125})
+    assert steered == "p99 82 of 250 ms, margin 0 ms, batch share 0.31"
     assert describe_latency(None) == "—"
 
 
