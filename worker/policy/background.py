@@ -12,9 +12,9 @@ A batch is not preemptible, so while an online request arrived within `quiet_ms`
   p99 grew 20x beside a batch before this); on a GPU the device is still shared.
 Once online traffic is quiet, background batches run as large and as often as they can.
 
-Under a latency target the share is steered (`steer`): it grows while the online
-percentile is well under the target and falls back to the configured share once it nears
-it, so a batch takes the headroom a target leaves, and only that.
+Under a latency target the share is steered (`steer`): it grows while a batch runs and
+the online percentile is well under the target, and falls back to the configured share
+once it nears it, so a batch takes the headroom a target leaves, and only that.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class BackgroundPacing:
     resume_ms: float = NEVER  # no background rows before this while online is recent
     floor: float = 0.0  # the configured share, what `steer` falls back to (0: share's)
     steered_ms: float = NEVER
+    ran: bool = False  # background rows ran beside online ones since the last steer
 
     def __post_init__(self) -> None:
         self.floor = self.floor or self.share
@@ -67,23 +68,28 @@ class BackgroundPacing:
         `compute_ms` and done at `now_ms`: their part of it is paid for in rest, only while
         online requests arrive (a batch job run alone must leave no debt for the first
         online call to find: a minute of it once held a new batch back for a minute)."""
+        self.ran = self.ran or bool(background and self.online_recent(now_ms))
         if background and rows and self.share < 1.0 and self.online_recent(now_ms):
             spent = compute_ms * background / rows
             self.resume_ms = max(self.resume_ms, now_ms) + spent * (1.0 / self.share - 1.0)
 
     def steer(self, observed_ms: float, target_ms: float, now_ms: float) -> None:
-        """Under a latency target: the online requests' observed percentile well under it
-        (under STEER_ROOM of it) grows the share step by step, up to all of the time; near
-        it (over STEER_BACK) the share is the configured one again at once. Why: the
-        configured share is what holds an online p99 without a target to aim at (within
-        ~10 % of its own on a CPU); a target says how much more latency is acceptable. The
-        thresholds are cautious because the worker's percentile leaves out the gateway's
-        part, which batch lines slow too on shared cores (0.5 / 0.8 let 2 rounds of 8 past a
-        100 ms target end to end, bench.batches; 0.4 / 0.6 none, docs/gateway.md)."""
+        """Under a latency target: while background rows run beside online ones and the
+        online requests' observed percentile is well under it (under STEER_ROOM of it),
+        the share grows step by step, up to all of the time; near it (over STEER_BACK), or
+        with no background row run since the last step, it is the configured one again.
+
+        Why: the configured share is what holds an online p99 without a target to aim at
+        (within ~10 % of its own on a CPU); a target says how much more latency is
+        acceptable. A share grown with nothing to pace met the next batch all at once (a
+        p99 of 2x a 200 ms target). The thresholds are cautious because the worker's
+        percentile leaves out the gateway's part, which batch lines slow too on shared
+        cores (at 0.5 / 0.8, 2 rounds of 8 went past a 100 ms target end to end;
+        docs/gateway.md)."""
         if now_ms - self.steered_ms < STEER_MS:
             return
-        self.steered_ms = now_ms
-        if observed_ms > STEER_BACK * target_ms:
+        self.steered_ms, ran, self.ran = now_ms, self.ran, False
+        if observed_ms > STEER_BACK * target_ms or not ran:
             self.share = self.floor
         elif observed_ms < STEER_ROOM * target_ms:
             self.share = min(1.0, self.share * STEER_GROW)

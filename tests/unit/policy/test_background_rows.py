@@ -151,32 +151,49 @@ def test_background_batches_while_online_is_quiet_leave_no_rest_to_pay_later() -
     assert batch is not None and [p.request.priority for p in batch.members] == [0, -1]
 
 
+def steered(pacing: BackgroundPacing, observed_ms: float, now_ms: int,
+            ran: bool = True) -> float:
+    """One step: online calls arrived, background rows ran (`ran`), then the steer."""
+    pacing.online_arrived(now_ms)
+    pacing.finished(1 if ran else 0, 4, 1.0, now_ms)
+    pacing.steer(observed_ms, 100.0, now_ms)
+    return pacing.share
+
+
 def test_under_a_latency_target_the_share_grows_while_online_calls_are_well_within_it() -> None:
     pacing = BackgroundPacing(rows=4, share=0.1)
     for step in range(12):  # the online percentile at 30 % of the target, step after step
-        pacing.steer(30.0, 100.0, 1_000 + step * STEER_MS)
+        steered(pacing, 30.0, 1_000 + step * STEER_MS)
     assert pacing.share == pytest.approx(min(1.0, 0.1 * STEER_GROW ** 12))
-    pacing.steer(30.0, 100.0, 1_000 + 12 * STEER_MS - 1)  # too soon: no step
+    steered(pacing, 30.0, 1_000 + 12 * STEER_MS - 1)  # too soon: no step
     assert pacing.share == pytest.approx(min(1.0, 0.1 * STEER_GROW ** 12))
 
 
 def test_near_the_target_the_share_is_the_configured_one_again_at_once() -> None:
     pacing = BackgroundPacing(rows=4, share=0.1)
     for step in range(8):
-        pacing.steer(30.0, 100.0, step * STEER_MS)
-    between = (STEER_ROOM + STEER_BACK) / 2 * 100.0
-    pacing.steer(between, 100.0, 8 * STEER_MS)  # between room and back: held where it is
-    held = pacing.share
-    assert held > 0.5
-    pacing.steer(STEER_BACK * 100.0 + 1, 100.0, 9 * STEER_MS)
-    assert (held, pacing.share) == (held, 0.1)
+        steered(pacing, 30.0, step * STEER_MS)
+    held = steered(pacing, (STEER_ROOM + STEER_BACK) / 2 * 100.0, 8 * STEER_MS)
+    assert held == pytest.approx(0.1 * STEER_GROW ** 8)  # between room and back: held
+    assert steered(pacing, STEER_BACK * 100.0 + 1, 9 * STEER_MS) == 0.1
+
+
+def test_the_share_is_earned_while_a_batch_runs_and_lost_when_it_stops() -> None:
+    """A share grown while no batch line ran would meet the next batch all at once."""
+    pacing = BackgroundPacing(rows=4, share=0.1)
+    for step in range(4):
+        assert steered(pacing, 10.0, step * STEER_MS, ran=False) == 0.1
+    steered(pacing, 10.0, 4 * STEER_MS)
+    assert pacing.share > 0.1
+    assert steered(pacing, 10.0, 5 * STEER_MS, ran=False) == 0.1
 
 
 def test_a_grown_share_shortens_the_rest_batch_lines_pay() -> None:
     configured, grown = BackgroundPacing(share=0.1), BackgroundPacing(share=0.1)
     for step in range(4):
-        grown.steer(10.0, 100.0, step * STEER_MS)
+        steered(grown, 10.0, step * STEER_MS)
     for pacing in (configured, grown):
         pacing.online_arrived(10_000)
+        pacing.resume_ms = 0.0  # no rest owed from the steps above
         pacing.finished(background=4, rows=4, compute_ms=10.0, now_ms=10_000)
     assert grown.held_ms(10_000) < configured.held_ms(10_000) == pytest.approx(90.0)
