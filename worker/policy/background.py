@@ -19,7 +19,7 @@ once it nears it, so a batch takes the headroom a target leaves, and only that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NEVER = -(1 << 62)
 STEER_MS = 500  # at most one step of the share this often
@@ -35,12 +35,12 @@ class BackgroundPacing:
     share: float = 1.0  # 1: no pacing
     online_ms: int = NEVER  # when the last online request arrived (its XADD time)
     resume_ms: float = NEVER  # no background rows before this while online is recent
-    floor: float = 0.0  # the configured share, what `steer` falls back to (0: share's)
+    floor: float = field(init=False)  # the configured share, what `steer` falls back to
     steered_ms: float = NEVER
     ran: bool = False  # background rows ran beside online ones since the last steer
 
     def __post_init__(self) -> None:
-        self.floor = self.floor or self.share
+        self.floor = self.share
 
     def online_arrived(self, enqueued_ms: int) -> None:
         self.online_ms = max(self.online_ms, enqueued_ms)
@@ -68,8 +68,10 @@ class BackgroundPacing:
         `compute_ms` and done at `now_ms`: their part of it is paid for in rest, only while
         online requests arrive (a batch job run alone must leave no debt for the first
         online call to find: a minute of it once held a new batch back for a minute)."""
-        self.ran = self.ran or bool(background and self.online_recent(now_ms))
-        if background and rows and self.share < 1.0 and self.online_recent(now_ms):
+        if not (background and self.online_recent(now_ms)):
+            return
+        self.ran = True
+        if self.share < 1.0:
             spent = compute_ms * background / rows
             self.resume_ms = max(self.resume_ms, now_ms) + spent * (1.0 / self.share - 1.0)
 
