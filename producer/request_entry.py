@@ -33,6 +33,11 @@ class Request:
     # where to answer when reply_to is of the wrong kind (derived: not part of equality)
     default_reply: str = field(default="", compare=False)
 
+    @property
+    def background(self) -> bool:
+        """A batch job's line (priority < 0): it yields to every online request."""
+        return self.priority < 0
+
 
 class InvalidEntry(Exception):
     """A malformed entry. `request_id`/`reply_to` are set when it can still be answered;

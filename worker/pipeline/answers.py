@@ -41,7 +41,7 @@ def error_answer(entry_id: str, request: Request, code: ErrorCode, message: str,
                  **details: Any) -> Answer:
     return Answer(entry_id, request.reply_to, request.content_type,
                   protocol.error_envelope(request.id, code, message, **details),
-                  arrival_ms(entry_id, time.time() * 1000), background=request.priority < 0)
+                  arrival_ms(entry_id, time.time() * 1000), background=request.background)
 
 
 def refused_answer(pending: Pending, admission: Admission) -> Answer:
@@ -92,7 +92,7 @@ def result_answers(batch: Batch, results: Sequence[Any], meta: dict[str, Any],
         answers.append(Answer(pending.entry_id, request.reply_to, request.content_type,
                               protocol.success_envelope(request.id, result, {
                                   **meta, "queue_ms": waited_ms}), enqueued,
-                              background=request.priority < 0))
+                              background=request.background))
     return answers
 
 

@@ -30,7 +30,7 @@ def final_answer(entry_id: str, request: Request, envelope: dict[str, Any],
                  namespace: str, stream: bool, chunks_written: int) -> Answer:
     """The last answer of a generation: a `done` entry after the chunks on the reply
     stream, or the envelope alone on the list reply key."""
-    arrived, background = arrival_ms(entry_id, time.time() * 1000), request.priority < 0
+    arrived, background = arrival_ms(entry_id, time.time() * 1000), request.background
     if not stream:
         return Answer(entry_id, request.reply_to, request.content_type, envelope, arrived,
                       background=background)

@@ -125,7 +125,7 @@ class Batcher:
         index = bucket_of(pending.item.length, self.boundaries)
         self.buckets[index].add(pending)
         self._size += 1
-        if pending.request.priority >= 0:
+        if not pending.request.background:
             self.background.online_arrived(pending.enqueued_ms)
         if self.targeted is not None:
             self.targeted.arrived(index, pending)
@@ -212,5 +212,5 @@ class Batcher:
 
     def finished(self, batch: Batch, compute_ms: float, now_ms: int) -> None:
         """A batch computed: the time its background rows took paces the next ones."""
-        background = sum(p.request.priority < 0 for p in batch.members)
+        background = sum(p.request.background for p in batch.members)
         self.background.finished(background, len(batch.members), compute_ms, now_ms)

@@ -81,7 +81,7 @@ class Bucket:
             self.longest = length
         if pending.request.priority:
             self._prioritised += 1
-            self.background += pending.request.priority < 0
+            self.background += pending.request.background
 
     def background_only(self) -> bool:
         """Only background requests: online buckets go first."""
@@ -101,7 +101,7 @@ class Bucket:
             order = heapq.nsmallest(limits.max_batch_size, self.items,
                                     key=lambda p: (-p.request.priority, p.seq))
             if background_rows is not None:  # the background ones are last in `order`
-                online = [p for p in order if p.request.priority >= 0]
+                online = [p for p in order if not p.request.background]
                 order = online + order[len(online):len(online) + background_rows]
             chosen = take_members(order, limits)
             taken = {id(p) for p in chosen}
@@ -132,6 +132,6 @@ class Bucket:
                 del lengths[length]
             if pending.request.priority:
                 self._prioritised -= 1
-                self.background -= pending.request.priority < 0
+                self.background -= pending.request.background
         if self.longest not in lengths:
             self.longest = max(lengths, default=0)

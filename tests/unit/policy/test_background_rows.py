@@ -5,19 +5,19 @@ Under a latency target their share of the time follows the online percentile."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
-
 import pytest
 
+from producer.protocol import MSGPACK
+from producer.request_entry import Request
+from worker.models.base import Prepared
 from worker.policy.background import STEER_BACK, STEER_GROW, STEER_MS, STEER_ROOM, BackgroundPacing
 from worker.policy.batching import Batcher, BatchLimits, Pending
 
 
 def pending(n: int, priority: int, length: int = 4, at_ms: int = 1_000) -> Pending:
-    request: Any = SimpleNamespace(priority=priority, deadline_ms=None)
-    item: Any = SimpleNamespace(length=length)
-    return Pending(f"{at_ms}-{n}", request, item, read_at=0.0, enqueued_ms=at_ms)
+    request = Request(f"r{n}", b"", MSGPACK, "reply", None, priority)
+    return Pending(f"{at_ms}-{n}", request, Prepared(length, None), read_at=0.0,
+                   enqueued_ms=at_ms)
 
 
 def batcher(rows: int = 2) -> Batcher:
