@@ -108,11 +108,11 @@ class Settings(BaseSettings):
         "an unfilled batch absorbs another bucket when that adds at most this many padded "
         "tokens (the model's fixed cost per batch over its cost per padded token); none: "
         "measured at warm-up; 0 keeps buckets apart"))
-    background_rows: int = Field(4, ge=0, description=(
+    # CPU, online p99 beside a batch (docs/gateway.md; CUDA: policy/device_defaults.py): 2 rows
+    # x1.08-1.10, 4 x1.10-1.24, uncapped x1.61; share 0.1 x1.04-1.24, 0.15 x1.07-1.18, 0.25 x1.3
+    background_rows: int = Field(2, ge=0, description=(
         "most priority < 0 requests (batch jobs' lines) in a batch while online ones came "
-        "within background_quiet_ms: online calls wait behind short batches only; 0: none"))
-    # 0.1 on a CPU: the online p99 x1.04-1.21 beside a batch at 54-59 lines/s; 0.15: x1.07-1.18;
-    # 0.25: x1.22-1.34 (docs/gateway.md; CUDA's 0.25: policy/device_defaults.py)
+        "within background_quiet_ms (CUDA: 4 unless set); 0: no cap"))
     background_share: float = Field(0.1, gt=0, le=1, description=(
         "the most of the time batches of priority < 0 requests alone take meanwhile "
         "(CUDA: 0.25 unless set); with latency_target_ms, the least (it grows within it)"))

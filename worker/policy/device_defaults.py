@@ -8,9 +8,10 @@ batch in each of two instances while the next two fill. Its buckets are the mode
 thinned to steps of at least 1.5x: padding costs a GPU little next to a smaller batch, and
 each bucket is a set of CUDA graphs to capture. These figures come from that one
 measurement and are re-measured by `python -m bench.gpu_check`. Batch jobs' lines may take
-a quarter of a GPU's time beside online calls, not a CPU's 0.1: on a CPU the gateway and
-Redis share the cores with the worker, so busy cores slow the online calls' whole path
-(policy/background.py), while a GPU's time is the worker's alone (not yet measured on one).
+a quarter of a GPU's time beside online calls, not a CPU's 0.1, and four rows of a batch,
+not two: on a CPU the gateway and Redis share the cores with the worker, so busy cores slow
+the online calls' whole path (policy/background.py), while a GPU's time is the worker's
+alone (not yet measured on one).
 Pure: a device type in, settings out; a setting the user set is never replaced.
 """
 
@@ -38,6 +39,7 @@ CUDA_BATCH_DEFAULTS: Mapping[str, float] = {
     "max_batch_tokens": 65_536,  # 512 x 128 tokens: the batch above at a common length
     "max_inflight": 4_096,  # 2 instances x (a batch computing + one filling) x 512, doubled
     "background_share": 0.25,  # batch jobs' lines beside online calls (see above)
+    "background_rows": 4,  # batch lines in a batch beside online ones (see above)
 }
 # Handed to a child process only when set: it resolves them for its own device (and says
 # why graphs are skipped only if they were asked for).

@@ -38,10 +38,14 @@ def test_cuda_batches_by_a_token_budget_of_large_batches() -> None:
 
 def test_batch_jobs_take_a_larger_share_of_a_gpu_than_of_cpu_cores() -> None:
     """On a CPU the gateway and Redis share the cores: at 0.25 the online p99 grew x1.2-1.3
-    beside a batch (bench.batches), at 0.1 x1.04."""
+    beside a batch (bench.batches), at 0.1 x1.04-1.24; 4 rows a batch x1.10-1.24, 2 rows
+    x1.08-1.10."""
     assert load_settings(None).background_share == 0.1
     assert on_device(load_settings(None), "cuda").background_share == 0.25
     assert on_device(load_settings(None, background_share=0.5), "cuda").background_share == 0.5
+    assert load_settings(None).background_rows == 2
+    assert on_device(load_settings(None), "cuda").background_rows == 4
+    assert on_device(load_settings(None, background_rows=1), "cuda").background_rows == 1
 
 
 def test_a_setting_the_user_set_is_kept_on_cuda() -> None:
@@ -57,8 +61,8 @@ def test_a_child_process_resolves_the_device_defaults_itself() -> None:
     assert texts["max_batch_tokens"] == "1000"
     assert not {"max_batch_size", "max_inflight", "cuda_graphs"} & texts.keys()
     assert set(CUDA_BATCH_DEFAULTS) == {"max_batch_size", "max_batch_tokens", "max_inflight",
-                                        "background_share"}
-    assert "background_share" not in texts
+                                        "background_share", "background_rows"}
+    assert not {"background_share", "background_rows"} & texts.keys()
     assert exported(load_settings(None, cuda_graphs=False))["cuda_graphs"] == "false"
 
 
