@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -122,7 +122,7 @@ class Replies:
     def poll(self) -> int:
         """Take what has arrived; survives Redis being down. Returns how many came."""
         try:
-            raw = self.client.lpop(self.reply_key, 1000) or []
+            raw = cast(list[bytes], self.client.lpop(self.reply_key, 1000) or [])
         except (redis.ConnectionError, redis.TimeoutError):
             return 0
         now = time.monotonic()
@@ -159,7 +159,7 @@ def pending(r: redis.Redis, stream: str, group: str = "workers",
             consumer: str | None = None) -> list[str]:
     """Entry ids pending in the group (for one consumer if given)."""
     rows = r.xpending_range(stream, group, "-", "+", 100_000, consumername=consumer)
-    return [row["message_id"].decode() for row in rows]
+    return [cast(bytes, row["message_id"]).decode() for row in rows]
 
 
 def request_ids(r: redis.Redis, stream: str, entry_ids: Sequence[str]) -> list[str]:

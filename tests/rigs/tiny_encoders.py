@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import BertConfig
 
 from worker.models.minilm import bundled_model_path
 
@@ -19,10 +22,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
 POSITIONS = 64
 
 
-def tiny_config(num_labels: int | None = None) -> object:
+def tiny_config(num_labels: int | None = None) -> BertConfig:
     from transformers import BertConfig
 
-    extra = {} if num_labels is None else {"num_labels": num_labels}
+    extra: dict[str, Any] = {} if num_labels is None else {"num_labels": num_labels}
     return BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
                       num_attention_heads=4, intermediate_size=64,
                       max_position_embeddings=POSITIONS, initializer_range=0.2, **extra)
