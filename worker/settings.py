@@ -109,7 +109,7 @@ class Settings(BaseSettings):
         "tokens (the model's fixed cost per batch over its cost per padded token); none: "
         "measured at warm-up; 0 keeps buckets apart"))
     # CPU, online p99 beside a batch (docs/gateway.md; CUDA: policy/device_defaults.py): 2 rows
-    # x1.08-1.10, 4 x1.10-1.24, uncapped x1.61; share 0.1 x1.04-1.24, 0.15 x1.07-1.18, 0.25 x1.3
+    # x1.04-1.10, 4 x1.10-1.24, uncapped x1.61; share 0.1 x1.04-1.24, 0.15 x1.07-1.18, 0.25 x1.3
     background_rows: int = Field(2, ge=0, description=(
         "most priority < 0 requests (batch jobs' lines) in a batch while online ones came "
         "within background_quiet_ms (CUDA: 4 unless set); 0: no cap"))

@@ -39,7 +39,7 @@ def test_cuda_batches_by_a_token_budget_of_large_batches() -> None:
 def test_batch_jobs_take_a_larger_share_of_a_gpu_than_of_cpu_cores() -> None:
     """On a CPU the gateway and Redis share the cores: at 0.25 the online p99 grew x1.2-1.3
     beside a batch (bench.batches), at 0.1 x1.04-1.24; 4 rows a batch x1.10-1.24, 2 rows
-    x1.08-1.10."""
+    x1.04-1.10."""
     assert load_settings(None).background_share == 0.1
     assert on_device(load_settings(None), "cuda").background_share == 0.25
     assert on_device(load_settings(None, background_share=0.5), "cuda").background_share == 0.5
